@@ -1,0 +1,1 @@
+"""Flywheel gateway: OpenAI-compatible serving, routing, engines, admin API and CLI."""

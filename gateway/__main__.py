@@ -1,0 +1,5 @@
+"""``python -m gateway`` is the ``flywheel`` command."""
+
+from gateway.cli import app
+
+app()

@@ -1,0 +1,138 @@
+"""The composition root: build the FastAPI app from :class:`Settings`.
+
+Run it with ``flywheel serve`` (or ``python -m gateway serve``). The app owns its
+engines: they start in the lifespan and close on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from gateway import admin_api, openai_api
+from gateway.auth import Authenticator
+from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
+from gateway.engines.base import Engine
+from gateway.errors import BadRequest, OpenAIError
+from gateway.protocol import format_param
+from gateway.routing import ModelRouter, ServedModel
+from gateway.state import GatewayState
+
+log = logging.getLogger("flywheel.gateway")
+
+
+def make_engine(config: LocalEngineConfig | OpenAIEngineConfig, settings: Settings) -> Engine:
+    """An engine for one ``[engines.NAME]`` table; torch is imported only for a local engine."""
+    if isinstance(config, OpenAIEngineConfig):
+        from gateway.engines.openai_upstream import OpenAIUpstreamEngine
+
+        return OpenAIUpstreamEngine(config)
+    from gateway.engines.local import LocalEngine
+
+    return LocalEngine(config, settings.data_dir)
+
+
+async def start_gateway(settings: Settings) -> GatewayState:
+    """Start every engine, load the aliases' initial adapters, and build the state."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engines: dict[str, Engine] = {}
+    for name, config in settings.engines.items():
+        engine = make_engine(config, settings)
+        await engine.start()
+        engines[name] = engine
+    served: dict[str, ServedModel] = {}
+    for alias, cfg in settings.aliases.items():
+        engine_cfg = settings.engines[cfg.engine]
+        base = cfg.base_model or (engine_cfg.model if isinstance(engine_cfg, LocalEngineConfig) else alias)
+        served[alias] = ServedModel(alias=alias, engine_name=cfg.engine, engine=engines[cfg.engine],
+                                    base_model=base)
+    router = ModelRouter(settings.routing, served)
+    for alias, cfg in settings.aliases.items():
+        if cfg.adapter:
+            await router.switch_adapter(alias, cfg.adapter)
+    auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
+                         settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
+    return GatewayState(settings=settings, engines=engines, router=router, auth=auth,
+                        started_at=int(time.time()))
+
+
+def build_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = await start_gateway(settings)
+        app.state.gateway = state
+        log.info("flywheel gateway ready: aliases=%s engines=%s",
+                 [s.alias for s in state.router.all()], list(state.engines))
+        try:
+            yield
+        finally:
+            for engine in state.engines.values():
+                await engine.aclose()
+
+    app = FastAPI(title="Flywheel gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(openai_api.router)
+    app.include_router(admin_api.router)
+    app.add_api_route("/healthz", healthz, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app
+
+
+async def healthz(request: Request) -> Response:
+    """200 when every engine answers its health check, 503 otherwise."""
+    state = GatewayState.of(request)
+    engines: dict[str, object] = {}
+    healthy = True
+    for name, engine in state.engines.items():
+        try:
+            engines[name] = await engine.health()
+        except OpenAIError as exc:
+            engines[name] = {"error": exc.message}
+            healthy = False
+    body = {"status": "ok" if healthy else "degraded", "engines": engines}
+    return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
+
+
+async def metrics(request: Request) -> Response:
+    return Response(GatewayState.of(request).metrics.render(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _error_response(request: Request, exc: OpenAIError) -> Response:
+    state: GatewayState | None = getattr(request.app.state, "gateway", None)
+    if state is not None:
+        state.metrics.errors.labels(str(exc.status_code), str(exc.code)).inc()
+    return Response(exc.to_json(), status_code=exc.status_code, media_type="application/json")
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return _error_response(request, exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    error = exc.errors()[0]
+    param = format_param(tuple(p for p in error["loc"] if p != "body"))
+    return _error_response(request, BadRequest(f"Invalid value for '{param}': {error['msg']}", param=param))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    error = OpenAIError(str(exc.detail), status_code=exc.status_code, error_type="invalid_request_error",
+                        code="not_found" if exc.status_code == 404 else None)
+    return _error_response(request, error)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    body = OpenAIError("The server had an error while processing your request.").to_dict()
+    return JSONResponse(body, status_code=500)

@@ -1,0 +1,157 @@
+"""Gateway configuration: one TOML file plus ``FLYWHEEL_*`` environment variables.
+
+Precedence (highest first): constructor arguments, environment variables
+(``FLYWHEEL_PORT=9000``, nested with ``__``: ``FLYWHEEL_AUTH__ADMIN_KEY=...``), the TOML
+file, the embedded defaults below. With nothing given, the gateway serves the tiny
+model built into ``<data_dir>/models/tiny`` through the local engine, and routes every
+model name to the alias ``flywheel``. ``deploy/flywheel.example.toml`` is the annotated
+reference.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Container
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+TINY_MODEL = "tiny"  # the model name that means "the tiny model built offline into the data dir"
+
+
+class LocalEngineConfig(BaseModel):
+    """In-process transformers + peft engine (development, tests, small deployments)."""
+
+    kind: Literal["local"] = "local"
+    model: str = TINY_MODEL  # "tiny", a local model directory, or an HF id present in the HF cache
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
+    default_max_tokens: int = 256  # used when a request sets neither max_tokens nor max_completion_tokens
+    max_batch_n: int = 16  # largest n one request may ask for
+
+
+class OpenAIEngineConfig(BaseModel):
+    """Any OpenAI-compatible upstream (vLLM with --enable-lora in production)."""
+
+    kind: Literal["openai"] = "openai"
+    base_url: str  # e.g. http://127.0.0.1:8001/v1
+    api_key: SecretStr | None = None  # sent upstream as a Bearer token; never logged
+    timeout_s: float = 600.0  # read timeout: longest silence tolerated between bytes
+    connect_timeout_s: float = 5.0
+    max_connections: int = 512
+    request_token_ids: bool = True  # ask vLLM for return_token_ids + logprobs (stripped for clients)
+
+
+EngineConfig = LocalEngineConfig | OpenAIEngineConfig
+
+
+class AliasConfig(BaseModel):
+    """A served model name: which engine, which base model, which adapter."""
+
+    engine: str = "local"  # a key of [engines]
+    base_model: str | None = None  # the model name the engine serves; defaults to the engine's model
+    adapter: str | None = None  # PEFT adapter directory loaded at start-up as "<alias>@0"
+
+
+class RoutingConfig(BaseModel):
+    """Maps the model names clients send to aliases, so agents keep their code."""
+
+    routes: dict[str, str] = Field(default_factory=dict)  # exact name or glob pattern -> alias
+    default: str | None = None  # alias for names nothing else matches; unset: the first alias; "": 404
+
+    def resolve(self, requested: str, aliases: Container[str]) -> str | None:
+        """Alias for a requested model name: alias itself, exact route, first glob, default."""
+        if requested in aliases:
+            return requested
+        if requested in self.routes:
+            return self.routes[requested]
+        for pattern, alias in self.routes.items():
+            if fnmatch.fnmatchcase(requested, pattern):
+                return alias
+        return self.default or None
+
+
+class AuthConfig(BaseModel):
+    """Client keys (Bearer) and the admin key. Empty api_keys means no client auth."""
+
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    admin_key: SecretStr | None = None  # unset: admin API answers loopback clients only
+
+
+def _default_engines() -> dict[str, EngineConfig]:
+    return {"local": LocalEngineConfig()}
+
+
+def _default_aliases() -> dict[str, AliasConfig]:
+    return {"flywheel": AliasConfig(engine="local")}
+
+
+class Settings(BaseSettings):
+    """Everything the gateway reads at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__",
+                                      extra="forbid")
+
+    data_dir: Path = Path("flywheel-data")  # everything the gateway writes lives here
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    max_body_bytes: int = 8 * 1024 * 1024  # larger requests get 413
+    engines: dict[str, LocalEngineConfig | OpenAIEngineConfig] = Field(default_factory=_default_engines)
+    aliases: dict[str, AliasConfig] = Field(default_factory=_default_aliases)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engine_kind_default(cls, value: Any) -> Any:
+        # An engine table without `kind` is local unless it names a base_url.
+        if isinstance(value, dict):
+            for cfg in value.values():
+                if isinstance(cfg, dict) and "kind" not in cfg:
+                    cfg["kind"] = "openai" if "base_url" in cfg else "local"
+        return value
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Settings:
+        if self.routing.default is None and self.aliases:
+            self.routing.default = next(iter(self.aliases))
+        for name, alias in self.aliases.items():
+            if alias.engine not in self.engines:
+                raise ValueError(f"aliases.{name}.engine: unknown engine {alias.engine!r}")
+        targets = list(self.routing.routes.values())
+        if self.routing.default:
+            targets.append(self.routing.default)
+        for target in targets:
+            if target not in self.aliases:
+                raise ValueError(f"routing: route target {target!r} is not an alias")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_file`` (TOML) + environment + ``overrides``."""
+    if config_file is None:
+        return Settings(**overrides)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file not found: {config_file}")
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=config_file)
+
+    return FileSettings(**overrides)

@@ -1,0 +1,221 @@
+"""The OpenAI-compatible surface: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+Routes are thin: authenticate, parse and validate, resolve the alias, call the engine,
+shape the answer for the client. The gateway always asks the engine for what training
+needs (exact token ids, logprobs, stream usage) and removes from the client's copy
+whatever the client did not ask for, so clients see plain OpenAI responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.engines.base import Body, Chunk
+from gateway.errors import OpenAIError, PayloadTooLarge, UpstreamError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
+from gateway.routing import ServedModel
+from gateway.state import GatewayState
+
+log = logging.getLogger("flywheel.api")
+router = APIRouter()
+
+_JSON_MEDIA = "application/json"
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat.completions"
+    COMPLETIONS = "completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAsks:
+    """What the client asked to see of the extras the gateway always requests."""
+
+    token_ids: bool
+    logprobs: bool
+    usage: bool  # streaming only: the final usage chunk
+
+    @classmethod
+    def of(cls, body: Body, endpoint: Endpoint) -> ClientAsks:
+        logprobs = body.get("logprobs")
+        options = body.get("stream_options") or {}
+        return cls(token_ids=bool(body.get("return_token_ids")),
+                   logprobs=bool(logprobs) if endpoint is Endpoint.CHAT else logprobs is not None,
+                   usage=bool(options.get("include_usage")))
+
+
+def engine_request(body: Body, served: ServedModel, endpoint: Endpoint) -> Body:
+    """The client's request as sent to the engine: its model name, plus token ids and logprobs."""
+    out = dict(body)
+    out["model"] = served.engine_model
+    out["return_token_ids"] = True
+    if endpoint is Endpoint.CHAT:
+        out["logprobs"] = True
+    elif out.get("logprobs") is None:
+        out["logprobs"] = 0  # legacy completions: 0 = the sampled token's logprob only
+    if out.get("stream"):
+        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+    return out
+
+
+def shape_for_client(payload: Body, asks: ClientAsks, requested_model: str) -> Body:
+    """Drop the extras the client did not ask for; answer under the model name it sent."""
+    payload["model"] = requested_model
+    if not asks.token_ids:
+        payload.pop("prompt_token_ids", None)
+    for choice in payload.get("choices") or ():
+        if not asks.token_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if not asks.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    return payload
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) anything over ``limit`` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {limit}.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    return await _generate(request, Endpoint.CHAT)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    return await _generate(request, Endpoint.COMPLETIONS)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.auth.client(request)
+    data = [_model_card(state, served.alias) for served in state.router.all()]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON_MEDIA)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.auth.client(request)
+    state.router.get(model_id)
+    return Response(orjson.dumps(_model_card(state, model_id)), media_type=_JSON_MEDIA)
+
+
+def _model_card(state: GatewayState, alias: str) -> Body:
+    return {"id": alias, "object": "model", "created": state.started_at, "owned_by": "flywheel"}
+
+
+async def _generate(request: Request, endpoint: Endpoint) -> Response:
+    state = GatewayState.of(request)
+    started = time.perf_counter()
+    alias = ""
+    try:
+        state.auth.client(request)
+        body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+        validate_request(ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest, body)
+        served = state.router.resolve(body["model"])
+        alias = served.alias
+        asks = ClientAsks.of(body, endpoint)
+        to_engine = engine_request(body, served, endpoint)
+        if body.get("stream"):
+            return await _stream(state, served, endpoint, to_engine, asks, body["model"], started)
+        served.in_flight += 1
+        try:
+            if endpoint is Endpoint.CHAT:
+                result = await served.engine.chat(to_engine)
+            else:
+                result = await served.engine.completion(to_engine)
+        finally:
+            served.in_flight -= 1
+    except OpenAIError as exc:
+        state.metrics.requests.labels(endpoint.value, alias, str(exc.status_code)).inc()
+        raise
+    state.metrics.count_usage(alias, result.get("usage"))
+    content = orjson.dumps(shape_for_client(result, asks, body["model"]))
+    state.metrics.requests.labels(endpoint.value, alias, "200").inc()
+    state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
+    return Response(content, media_type=_JSON_MEDIA)
+
+
+async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
+                  asks: ClientAsks, requested_model: str, started: float) -> Response:
+    """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
+    if endpoint is Endpoint.CHAT:
+        chunks = served.engine.chat_stream(to_engine)
+    else:
+        chunks = served.engine.completion_stream(to_engine)
+    served.in_flight += 1
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        served.in_flight -= 1
+        raise UpstreamError("the engine ended the stream without sending anything") from None
+    except BaseException:
+        served.in_flight -= 1
+        await chunks.aclose()  # type: ignore[attr-defined]
+        raise
+    state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
+    events = _sse_events(state, served, endpoint, first, chunks, asks, requested_model, started)
+    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
+                      chunks: AsyncIterator[Chunk], asks: ClientAsks, requested_model: str,
+                      started: float) -> AsyncIterator[bytes]:
+    """OpenAI's SSE framing; a failure mid-stream becomes an error event, then ``[DONE]``."""
+    status = "200"
+    try:
+        chunk: Chunk | None = first
+        while chunk is not None:
+            if not chunk.get("choices"):
+                state.metrics.count_usage(served.alias, chunk.get("usage"))
+            shaped = _shape_chunk(chunk, asks, requested_model)
+            if shaped is not None:
+                yield b"data: " + orjson.dumps(shaped) + b"\n\n"
+            chunk = await anext(chunks, None)
+    except OpenAIError as exc:
+        status = str(exc.status_code)
+        state.metrics.errors.labels(status, str(exc.code)).inc()
+        yield b"data: " + exc.to_json() + b"\n\n"
+    except Exception:
+        log.exception("stream failed after it started")
+        status = "500"
+        yield b"data: " + UpstreamError("the engine failed while streaming").to_json() + b"\n\n"
+    finally:
+        served.in_flight -= 1
+        await chunks.aclose()  # type: ignore[attr-defined]
+        state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
+        state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
+    yield _DONE
+
+
+def _shape_chunk(chunk: Chunk, asks: ClientAsks, requested_model: str) -> Chunk | None:
+    if not chunk.get("choices"):
+        if not asks.usage:
+            return None  # the usage chunk the gateway asked for, not the client
+    elif not asks.usage:
+        chunk.pop("usage", None)
+    return shape_for_client(chunk, asks, requested_model)
+

@@ -1,0 +1,1 @@
+"""RULER judging and reward sources (the Judge issue fills this in)."""

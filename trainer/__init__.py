@@ -1,0 +1,1 @@
+"""Training side of Flywheel: the tiny offline model and fine-tuning jobs."""
