@@ -1,0 +1,1 @@
+"""Benchmarks: run them with ``python -m bench.<name>`` from the repository root."""
