@@ -6,17 +6,22 @@ engines: they start in the lifespan and close on shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from capture.recorder import Recorder, Spool
+from capture.redaction import Redactor
+from capture.store import Store
 from gateway import admin_api, openai_api
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
@@ -60,8 +65,29 @@ async def start_gateway(settings: Settings) -> GatewayState:
             await router.switch_adapter(alias, cfg.adapter)
     auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
                          settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
-    return GatewayState(settings=settings, engines=engines, router=router, auth=auth,
-                        started_at=int(time.time()))
+    store = await asyncio.to_thread(Store, settings.database)
+    redaction = settings.capture.redaction
+    redactor = Redactor(builtin=redaction.builtin, patterns=redaction.patterns) \
+        if redaction.builtin or redaction.patterns else None
+    recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor,
+                        queue_size=settings.capture.queue_size, batch_size=settings.capture.batch_size,
+                        batch_wait_s=settings.capture.batch_wait_s, retry_s=settings.capture.retry_s)
+    state = GatewayState(settings=settings, engines=engines, router=router, auth=auth, store=store,
+                         recorder=recorder, started_at=int(time.time()))
+    state.metrics.watch_capture(recorder.stats)
+    return state
+
+
+def start_jobs(state: GatewayState) -> AsyncIOScheduler:
+    """Background jobs: re-ingest left-over spool files, close idle trajectories."""
+    scheduler = AsyncIOScheduler()
+    store, settings = state.store, state.settings
+    if store is not None:
+        idle_s = settings.capture.idle_close_s
+        scheduler.add_job(asyncio.to_thread, "interval", args=[store.close_idle, idle_s], id="close-idle",
+                          seconds=max(1.0, min(60.0, idle_s / 4)), max_instances=1, coalesce=True)
+    scheduler.start()
+    return scheduler
 
 
 def build_app(settings: Settings) -> FastAPI:
@@ -69,11 +95,20 @@ def build_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await start_gateway(settings)
         app.state.gateway = state
-        log.info("flywheel gateway ready: aliases=%s engines=%s",
-                 [s.alias for s in state.router.all()], list(state.engines))
+        if state.recorder is not None:
+            state.recorder.start()
+            await state.recorder.reingest()  # what an earlier run left in the spool
+        scheduler = start_jobs(state)
+        log.info("flywheel gateway ready: aliases=%s engines=%s store=%s",
+                 [s.alias for s in state.router.all()], list(state.engines), settings.database)
         try:
             yield
         finally:
+            scheduler.shutdown(wait=False)
+            if state.recorder is not None:
+                await state.recorder.drain()  # SIGTERM: nothing queued is lost
+            if state.store is not None:
+                state.store.close()
             for engine in state.engines.values():
                 await engine.aclose()
 

@@ -85,6 +85,28 @@ class AuthConfig(BaseModel):
     admin_key: SecretStr | None = None  # unset: admin API answers loopback clients only
 
 
+class RedactionConfig(BaseModel):
+    """What is scrubbed from captured text before it is written anywhere."""
+
+    builtin: bool = True  # e-mail addresses, phone numbers, card-like numbers, API-key-like tokens
+    patterns: list[str] = Field(default_factory=list)  # extra regexes; matches become [REDACTED:CUSTOM_i]
+
+
+class CaptureConfig(BaseModel):
+    """Recording traffic as trajectories (DESIGN §4, §8)."""
+
+    enabled: bool = True  # default for requests without an X-Flywheel-Capture header
+    sample_rate: float = Field(default=1.0, ge=0, le=1)  # fraction of (enabled) requests captured
+    database: str | None = None  # unset: <data_dir>/flywheel.duckdb; or a SQLAlchemy URL (postgresql://...)
+    spool_path: Path | None = None  # unset: <data_dir>/spool/turns.jsonl
+    idle_close_s: float = 600.0  # a trajectory with no new turn for this long is closed
+    queue_size: int = 10_000  # turns waiting for the writer; beyond it they go to the spool
+    batch_size: int = 256  # turns per store transaction
+    batch_wait_s: float = 0.05  # longest wait to fill a batch: the durability window's main term
+    retry_s: float = 2.0  # how often the spool is retried while the store refuses writes
+    redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -108,6 +130,15 @@ class Settings(BaseSettings):
     aliases: dict[str, AliasConfig] = Field(default_factory=_default_aliases)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+
+    @property
+    def database(self) -> str:
+        return self.capture.database or str(self.data_dir / "flywheel.duckdb")
+
+    @property
+    def spool_path(self) -> Path:
+        return self.capture.spool_path or self.data_dir / "spool" / "turns.jsonl"
 
     @field_validator("engines", mode="before")
     @classmethod

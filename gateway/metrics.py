@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter as TallyCounter
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -30,5 +35,20 @@ class GatewayMetrics:
             self.tokens.labels(alias, "prompt").inc(usage.get("prompt_tokens") or 0)
             self.tokens.labels(alias, "completion").inc(usage.get("completion_tokens") or 0)
 
+    def watch_capture(self, stats: TallyCounter[str]) -> None:
+        """Export the recorder's turn counters (queued, written, spooled, reingested, failed)."""
+        self.registry.register(_CaptureCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CaptureCollector(Collector):
+    def __init__(self, stats: TallyCounter[str]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("flywheel_capture_turns", "Captured turns by state.", labels=["state"])
+        for state in ("queued", "written", "spooled", "reingested", "failed"):
+            family.add_metric([state], self.stats[state])
+        yield family

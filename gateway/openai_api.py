@@ -16,8 +16,11 @@ from enum import StrEnum
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
+from capture.assembler import StreamAssembler
+from gateway.capturing import CapturePlan, plan_capture
 from gateway.engines.base import Body, Chunk
 from gateway.errors import OpenAIError, PayloadTooLarge, UpstreamError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
@@ -69,17 +72,23 @@ def engine_request(body: Body, served: ServedModel, endpoint: Endpoint) -> Body:
 
 
 def shape_for_client(payload: Body, asks: ClientAsks, requested_model: str) -> Body:
-    """Drop the extras the client did not ask for; answer under the model name it sent."""
-    payload["model"] = requested_model
+    """A copy without the extras the client did not ask for, under the model name it sent."""
+    out = {**payload, "model": requested_model}
     if not asks.token_ids:
-        payload.pop("prompt_token_ids", None)
-    for choice in payload.get("choices") or ():
-        if not asks.token_ids:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        if not asks.logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
-    return payload
+        out.pop("prompt_token_ids", None)
+    if out.get("choices") and not (asks.token_ids and asks.logprobs):
+        out["choices"] = [_shape_choice(choice, asks) for choice in out["choices"]]
+    return out
+
+
+def _shape_choice(choice: Body, asks: ClientAsks) -> Body:
+    out = dict(choice)
+    if not asks.token_ids:
+        out.pop("token_ids", None)
+        out.pop("prompt_token_ids", None)
+    if not asks.logprobs and "logprobs" in out:
+        out["logprobs"] = None
+    return out
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -132,15 +141,19 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     started = time.perf_counter()
     alias = ""
     try:
-        state.auth.client(request)
+        key_id = state.auth.client(request)
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_request(ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest, body)
         served = state.router.resolve(body["model"])
         alias = served.alias
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
+        plan = None
+        if state.recorder is not None:
+            plan = plan_capture(request, state.settings.capture, endpoint=endpoint.value, served=served,
+                                requested_model=body["model"], client_key_id=key_id, started=started)
         if body.get("stream"):
-            return await _stream(state, served, endpoint, to_engine, asks, body["model"], started)
+            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan)
         served.in_flight += 1
         try:
             if endpoint is Endpoint.CHAT:
@@ -156,11 +169,14 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     content = orjson.dumps(shape_for_client(result, asks, body["model"]))
     state.metrics.requests.labels(endpoint.value, alias, "200").inc()
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
-    return Response(content, media_type=_JSON_MEDIA)
+    background = None
+    if plan is not None and state.recorder is not None:  # recorded after the last byte went out
+        background = BackgroundTask(state.recorder.submit, plan.exchange(body, result))
+    return Response(content, media_type=_JSON_MEDIA, background=background)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
-                  asks: ClientAsks, requested_model: str, started: float) -> Response:
+                  asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None) -> Response:
     """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
     if endpoint is Endpoint.CHAT:
         chunks = served.engine.chat_stream(to_engine)
@@ -177,21 +193,24 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         await chunks.aclose()  # type: ignore[attr-defined]
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
-    events = _sse_events(state, served, endpoint, first, chunks, asks, requested_model, started)
+    events = _sse_events(state, served, endpoint, first, chunks, asks, body, started, plan)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
-                      chunks: AsyncIterator[Chunk], asks: ClientAsks, requested_model: str,
-                      started: float) -> AsyncIterator[bytes]:
+                      chunks: AsyncIterator[Chunk], asks: ClientAsks, body: Body, started: float,
+                      plan: CapturePlan | None) -> AsyncIterator[bytes]:
     """OpenAI's SSE framing; a failure mid-stream becomes an error event, then ``[DONE]``."""
     status = "200"
+    assembler = StreamAssembler(endpoint.value) if plan is not None else None
     try:
         chunk: Chunk | None = first
         while chunk is not None:
             if not chunk.get("choices"):
                 state.metrics.count_usage(served.alias, chunk.get("usage"))
-            shaped = _shape_chunk(chunk, asks, requested_model)
+            if assembler is not None:
+                assembler.add(chunk)
+            shaped = _shape_chunk(chunk, asks, body["model"])
             if shaped is not None:
                 yield b"data: " + orjson.dumps(shaped) + b"\n\n"
             chunk = await anext(chunks, None)
@@ -209,13 +228,15 @@ async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoi
         state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
         state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     yield _DONE
+    if assembler is not None and plan is not None and state.recorder is not None and status == "200":
+        state.recorder.submit(plan.exchange(body, assembler.response()))  # after the last byte went out
 
 
 def _shape_chunk(chunk: Chunk, asks: ClientAsks, requested_model: str) -> Chunk | None:
-    if not chunk.get("choices"):
-        if not asks.usage:
-            return None  # the usage chunk the gateway asked for, not the client
-    elif not asks.usage:
-        chunk.pop("usage", None)
-    return shape_for_client(chunk, asks, requested_model)
+    if not chunk.get("choices") and not asks.usage:
+        return None  # the usage chunk the gateway asked for, not the client
+    shaped = shape_for_client(chunk, asks, requested_model)
+    if not asks.usage:
+        shaped.pop("usage", None)
+    return shaped
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from capture.recorder import Recorder
+from capture.store import Store
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.engines.base import Engine
@@ -21,6 +23,8 @@ class GatewayState:
     engines: dict[str, Engine]
     router: ModelRouter
     auth: Authenticator
+    store: Store | None = None
+    recorder: Recorder | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started_at: int = 0
 

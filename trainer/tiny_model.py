@@ -74,7 +74,8 @@ CHAT_TEMPLATE = (
     "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' -}}"
     # Arguments arrive as a dict or (OpenAI wire format) a JSON string: never encode twice.
-    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}"
+    "{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
     "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -85,20 +86,27 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-_WORDS = (
-    "the a an of to and in is it you that he she was for on are with as they be at one have this from "
-    "or had by word but what some we can out other were all there when up use your how said each which "
-    "do their time if will way about many then them write would like so these her long make thing see "
-    "him two has look more day could go come did number sound no most people my over know water than "
-    "call first who may down side been now find any new work part take get place made live where after "
-    "back little only round man year came show every good me give our under name very through just form "
-    "sentence great think say help low line differ turn cause much mean before move right boy old too "
-    "same tell does set three want air well also play small end put home read hand port large spell add "
-    "even land here must big high such follow act why ask men change went light kind off need house "
-    "picture try us again animal point mother world near build self earth father weather city today "
-    "tomorrow rain sunny cloudy wind temperature degrees hello thanks please sure answer question yes "
-    "search weather forecast email message send calendar meeting order price stock result file data"
-).split()
+_WORDS = [
+    "the", "a", "an", "of", "to", "and", "in", "is", "it", "you", "that", "he", "she", "was", "for",
+    "on", "are", "with", "as", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by",
+    "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up",
+    "use", "your", "how", "said", "each", "which", "do", "their", "time", "if", "will", "way", "about",
+    "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing",
+    "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound",
+    "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down",
+    "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live",
+    "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good",
+    "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great",
+    "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move",
+    "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also",
+    "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even",
+    "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change",
+    "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point",
+    "mother", "world", "near", "build", "self", "earth", "father", "weather", "city", "today",
+    "tomorrow", "rain", "sunny", "cloudy", "wind", "temperature", "degrees", "hello", "thanks", "please",
+    "sure", "answer", "question", "yes", "search", "forecast", "email", "message", "send", "calendar",
+    "meeting", "order", "price", "stock", "result", "file", "data",
+]
 _CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Oslo", "Lima", "Cairo", "Delhi"]
 _TOOLS = {
     "get_weather": {"city": _CITIES},

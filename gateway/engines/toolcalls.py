@@ -35,10 +35,8 @@ def _to_call(payload: str) -> dict[str, Any] | None:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
-    if isinstance(arguments, str):
-        encoded = arguments  # already a JSON string (OpenAI's wire form): keep it as the model wrote it
-    else:
-        encoded = json.dumps(arguments, ensure_ascii=False)
+    # A string is already JSON (OpenAI's wire form): keep it as the model wrote it.
+    encoded = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": new_call_id(), "type": "function",
             "function": {"name": data["name"], "arguments": encoded}}
 

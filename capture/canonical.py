@@ -1,0 +1,88 @@
+"""Canonical messages and the prefix hashes the linker matches on (DESIGN §4).
+
+Clients re-serialize history in their own ways; the canonical form removes the
+differences that do not change meaning, so the same conversation hashes the same:
+
+- content as a string vs a list of text parts -> one string; ``None`` -> ``""``;
+- tool-call arguments -> compact JSON with sorted keys (when they parse);
+- absent vs null optional fields -> absent; tool-call ids (opaque, often regenerated) dropped.
+
+Hashes chain: ``H(m_0..m_i) = sha256(H(m_0..m_{i-1}) || canon(m_i))``, so every
+prefix's hash comes out of one pass over the messages (O(messages) per request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+ROOT = hashlib.sha256(b"flywheel/1").hexdigest()  # the hash of the empty conversation
+
+
+def content_text(content: Any) -> str:
+    """String content, or the text parts of a list content joined (images etc. by their type)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                parts.append(part.get("text") if part.get("type") in ("text", None) else f"[{part.get('type')}]")
+            else:
+                parts.append(str(part))
+        return "".join(p or "" for p in parts)
+    return str(content)
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Tool-call arguments as compact sorted JSON; text that is not JSON is kept as is."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The meaning-bearing fields of one chat message, normalized."""
+    out: dict[str, Any] = {"role": message.get("role"), "content": content_text(message.get("content"))}
+    if message.get("name"):
+        out["name"] = message["name"]
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [{"name": (c.get("function") or {}).get("name"),
+                              "arguments": canonical_arguments((c.get("function") or {}).get("arguments"))}
+                             for c in calls]
+    return out
+
+
+def _step(previous: str, message: dict[str, Any]) -> str:
+    encoded = json.dumps(canonical_message(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256((previous + encoded).encode()).hexdigest()
+
+
+def prefix_hashes(messages: list[dict[str, Any]]) -> list[str]:
+    """``out[i]`` is the hash of ``messages[: i + 1]``."""
+    hashes: list[str] = []
+    current = ROOT
+    for message in messages:
+        current = _step(current, message)
+        hashes.append(current)
+    return hashes
+
+
+def extend_hash(h_prefix: str, message: dict[str, Any]) -> str:
+    """The hash of a conversation extended by one message (``h_out`` from ``h_ctx``)."""
+    return _step(h_prefix, message)
+
+
+def task_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """Hash of the system prompt, the tool schemas and the first user message (DESIGN §5)."""
+    system = next((content_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
+    first_user = next((content_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    payload = json.dumps([system, tools or [], first_user], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "task_" + hashlib.sha256(payload.encode()).hexdigest()[:24]

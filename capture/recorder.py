@@ -1,0 +1,187 @@
+"""The recorder: turns reach the store in batches, off the request path, and are never dropped.
+
+- ``submit`` (called after the last byte went to the client) puts the exchange on a
+  bounded ``asyncio.Queue`` and returns at once.
+- One writer task takes batches (up to ``batch_size`` turns or ``batch_wait_s`` after
+  the first) and writes each in one transaction on a worker thread.
+- When the queue is full, or a batch cannot be written, turns go (redacted) to an
+  append-only spool file; they are re-ingested once the store accepts writes again.
+  Re-ingesting is idempotent: turn ids are fixed before the spool, and stored ids are
+  skipped.
+- ``drain`` (SIGTERM, shutdown) writes whatever is queued before the process exits.
+
+Durability window: a turn is durable once its batch commits, at most ``batch_wait_s``
+plus one batch's write time after ``submit``; a SIGKILL inside that window loses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+
+from capture.redaction import Redactor
+from capture.store import Store
+from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
+
+log = logging.getLogger("flywheel.recorder")
+
+
+class Spool:
+    """An append-only JSON-lines file of prepared turns the store could not take yet."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def append(self, turns: list[PreparedTurn]) -> None:
+        lines = b"".join(orjson.dumps(t.to_json()) + b"\n" for t in turns)
+        with self._lock, self.path.open("ab") as spool:
+            spool.write(lines)
+            spool.flush()
+
+    def pending(self) -> bool:
+        return self.path.exists() and self.path.stat().st_size > 0
+
+    def take(self) -> tuple[Path, list[PreparedTurn]] | None:
+        """Move the spool aside and read it; the caller deletes the moved file once written."""
+        with self._lock:
+            if not self.pending():
+                return None
+            taken = self.path.with_suffix(f".ingesting-{time.time_ns()}")
+            self.path.rename(taken)
+        turns = []
+        for line in taken.read_bytes().splitlines():
+            if line.strip():
+                turns.append(PreparedTurn.from_json(orjson.loads(line)))
+        return taken, turns
+
+    def leftovers(self) -> list[Path]:
+        """Files moved aside by a take() whose write never finished (a crash): ingest them too."""
+        return sorted(self.path.parent.glob(self.path.stem + ".ingesting-*"))
+
+
+class Recorder:
+    """Queue, writer task, spool and counters for captured turns."""
+
+    def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int = 10_000,
+                 batch_size: int = 256, batch_wait_s: float = 0.05, retry_s: float = 2.0) -> None:
+        self.store = store
+        self.spool = spool
+        self.redactor = redactor
+        self.batch_size = batch_size
+        self.batch_wait_s = batch_wait_s
+        self.retry_s = retry_s
+        self.queue: asyncio.Queue[CapturedExchange] = asyncio.Queue(maxsize=queue_size)
+        self.stats: Counter[str] = Counter()  # queued, written, spooled, reingested, failed (turns)
+        self.store_ok = True
+        self._task: asyncio.Task[None] | None = None
+        self._retry_task: asyncio.Task[None] | None = None
+
+    def submit(self, exchange: CapturedExchange) -> None:
+        """Hand over a finished exchange; never blocks, never raises."""
+        try:
+            self.queue.put_nowait(exchange)
+            self.stats["queued"] += 1
+        except asyncio.QueueFull:
+            self._spool(self._prepare([exchange]))
+        except Exception:  # capture must never fail a client request
+            log.exception("could not capture exchange %s", exchange.completion_id)
+            self.stats["failed"] += 1
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="flywheel-recorder")
+        self._retry_task = asyncio.create_task(self._reingest_loop(), name="flywheel-spool")
+
+    async def drain(self) -> None:
+        """Write everything queued (and try the spool once), then stop."""
+        for task in (self._task, self._retry_task):
+            if task is not None:
+                task.cancel()
+        batch = []
+        while not self.queue.empty():
+            batch.append(self.queue.get_nowait())
+        if batch:
+            await self._write(batch)
+        await self.reingest()
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(batch) < self.batch_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+                except TimeoutError:
+                    break
+            await self._write(batch)
+
+    async def _write(self, batch: list[CapturedExchange]) -> None:
+        prepared = await asyncio.to_thread(self._prepare, batch)
+        if not self.store_ok:
+            self._spool(prepared)
+            return
+        try:
+            written = await asyncio.to_thread(self.store.write_turns, prepared)
+        except Exception as exc:
+            log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,
+                        len(prepared))
+            self.store_ok = False
+            self._spool(prepared)
+            return
+        self.stats["written"] += written
+
+    def _prepare(self, batch: list[CapturedExchange]) -> list[PreparedTurn]:
+        return [turn for exchange in batch for turn in prepare_turns(exchange, self.redactor)]
+
+    def _spool(self, prepared: list[PreparedTurn]) -> None:
+        try:
+            self.spool.append(prepared)
+            self.stats["spooled"] += len(prepared)
+        except OSError:
+            log.exception("spool write failed: %d turns lost", len(prepared))
+            self.stats["failed"] += len(prepared)
+
+    async def _reingest_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_s)
+            await self.reingest()
+
+    async def reingest(self) -> int:
+        """Write spooled turns to the store; on failure they stay spooled. Returns turns written."""
+        total = 0
+        for leftover in self.spool.leftovers():
+            total += await self._ingest_file(leftover, [PreparedTurn.from_json(orjson.loads(line))
+                                                        for line in leftover.read_bytes().splitlines() if line])
+        taken = self.spool.take()
+        if taken is not None:
+            total += await self._ingest_file(*taken)
+        return total
+
+    async def _ingest_file(self, path: Path, turns: list[PreparedTurn]) -> int:
+        try:
+            written = await asyncio.to_thread(self.store.write_turns, turns)
+        except Exception as exc:
+            log.info("store still not writable (%s); %d turns stay spooled", type(exc).__name__, len(turns))
+            self.store_ok = False
+            try:
+                self.spool.append(turns)
+            except OSError:
+                return 0  # the moved-aside file stays; leftovers() picks it up next time
+            path.unlink(missing_ok=True)
+            return 0
+        path.unlink(missing_ok=True)
+        self.store_ok = True
+        self.stats["reingested"] += written
+        if written:
+            log.info("re-ingested %d spooled turns", written)
+        return written

@@ -1,0 +1,148 @@
+"""From one request/response exchange to the turn rows the store keeps.
+
+The gateway hands the recorder a :class:`CapturedExchange` (references to the dicts it
+already has, built after the last byte went out). :func:`prepare_turns` does the
+rest off the request path: one row per choice, canonical hashes for the linker,
+redaction, and the exact token ids and logprobs when the engine returned them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from capture.canonical import ROOT, extend_hash, prefix_hashes, task_key
+from capture.redaction import Redactor
+
+_NOT_PARAMS = {"messages", "prompt", "tools", "metadata", "model", "stream", "stream_options"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class CapturedExchange:
+    """One answered request, as the gateway saw it."""
+
+    completion_id: str
+    endpoint: str  # "chat.completions" | "completions"
+    requested_model: str
+    alias: str
+    engine_model: str
+    adapter_version: int
+    client_key_id: str | None
+    request: dict[str, Any]  # the client's body
+    response: dict[str, Any]  # the engine's full answer in non-streaming shape (token ids included)
+    created_at: datetime
+    latency_ms: float
+    trajectory_id: str | None = None  # X-Flywheel-Trajectory-Id or metadata.trajectory_id
+    task: str | None = None  # X-Flywheel-Task
+    group_id: str | None = None  # X-Flywheel-Group-Id
+    source: str = "client"  # "client" | "fork"
+
+
+@dataclass
+class PreparedTurn:
+    """A turn row ready to link and insert (already redacted); JSON-serializable for the spool."""
+
+    row: dict[str, Any]
+    explicit_trajectory_id: str | None
+    assistant_prefix_hashes: list[str] = field(default_factory=list)  # last assistant message first
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["row"] = {**self.row, "created_at": self.row["created_at"].isoformat()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PreparedTurn:
+        row = {**data["row"], "created_at": datetime.fromisoformat(data["row"]["created_at"])}
+        return cls(row=row, explicit_trajectory_id=data["explicit_trajectory_id"],
+                   assistant_prefix_hashes=data["assistant_prefix_hashes"])
+
+
+def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list[PreparedTurn]:
+    """One :class:`PreparedTurn` per choice of the response."""
+    request = exchange.request
+    messages = _request_messages(exchange)
+    redacted_messages = [redactor.message(m) for m in messages] if redactor else messages
+    request_changed = redacted_messages != messages
+    hashes = prefix_hashes(redacted_messages)
+    h_ctx = hashes[-1] if hashes else ROOT
+    assistant_hashes = [hashes[i] for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+    metadata = request.get("metadata") if isinstance(request.get("metadata"), dict) else None
+    explicit = exchange.trajectory_id or (str(metadata["trajectory_id"]) if metadata and
+                                          metadata.get("trajectory_id") else None)
+    tools = request.get("tools")
+    usage = exchange.response.get("usage") or {}
+    prompt_ids = exchange.response.get("prompt_token_ids")
+    out: list[PreparedTurn] = []
+    for choice in exchange.response.get("choices") or ():
+        message = _response_message(choice, exchange.endpoint)
+        stored_message = redactor.message(message) if redactor else message
+        redacted = request_changed or stored_message != message
+        completion_ids = choice.get("token_ids")
+        row: dict[str, Any] = {
+            "id": new_id("turn"),
+            "completion_id": exchange.completion_id,
+            "choice_index": int(choice.get("index", 0)),
+            "source": exchange.source,
+            "endpoint": exchange.endpoint,
+            "created_at": exchange.created_at,
+            "latency_ms": exchange.latency_ms,
+            "requested_model": exchange.requested_model,
+            "alias": exchange.alias,
+            "engine_model": exchange.engine_model,
+            "adapter_version": exchange.adapter_version,
+            "client_key_id": exchange.client_key_id,
+            "request_messages": redacted_messages,
+            "tools": tools,
+            "params": {k: v for k, v in request.items() if k not in _NOT_PARAMS},
+            "request_metadata": metadata,
+            "response_message": stored_message,
+            "finish_reason": choice.get("finish_reason"),
+            # Training must never see the tokens of text that redaction changed.
+            "prompt_token_ids": None if redacted else (prompt_ids or choice.get("prompt_token_ids")),
+            "completion_token_ids": None if redacted else completion_ids,
+            "completion_logprobs": None if redacted else _sampled_logprobs(choice),
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": len(completion_ids) if completion_ids else 0,
+            "h_ctx": h_ctx,
+            "h_out": extend_hash(h_ctx, stored_message),
+            "task_key": exchange.task or task_key(redacted_messages, tools),
+            "group_key": exchange.group_id,
+            "redacted": redacted,
+        }
+        out.append(PreparedTurn(row=row, explicit_trajectory_id=explicit, assistant_prefix_hashes=assistant_hashes))
+    return out
+
+
+def _request_messages(exchange: CapturedExchange) -> list[dict[str, Any]]:
+    if exchange.endpoint == "chat.completions":
+        return list(exchange.request.get("messages") or [])
+    prompt = exchange.request.get("prompt")
+    return [{"role": "user", "content": prompt if isinstance(prompt, str) else str(prompt)}]
+
+
+def _response_message(choice: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    if endpoint != "chat.completions":
+        return {"role": "assistant", "content": choice.get("text") or ""}
+    message = choice.get("message") or {}
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def _sampled_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    if isinstance(logprobs.get("content"), list):
+        return [float(entry["logprob"]) for entry in logprobs["content"]]
+    if isinstance(logprobs.get("token_logprobs"), list):
+        return [float(x) for x in logprobs["token_logprobs"]]
+    return None

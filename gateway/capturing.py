@@ -1,0 +1,61 @@
+"""Deciding whether a request is captured, and what the recorder gets when it is.
+
+Headers a client may send (all optional; ``flywheel.headers()`` builds them):
+``X-Flywheel-Capture: on|off``, ``X-Flywheel-Trajectory-Id``, ``X-Flywheel-Task``,
+``X-Flywheel-Group-Id``. ``metadata.trajectory_id`` in the body works like the header.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+
+from capture.turns import CapturedExchange
+from gateway.config import CaptureConfig
+from gateway.routing import ServedModel
+
+
+@dataclass(frozen=True, slots=True)
+class CapturePlan:
+    """What is known about a captured request before the engine answers."""
+
+    endpoint: str
+    served: ServedModel
+    requested_model: str
+    client_key_id: str | None
+    started_at: datetime
+    started: float  # perf_counter at arrival
+    trajectory_id: str | None
+    task: str | None
+    group_id: str | None
+
+    def exchange(self, request_body: dict[str, Any], response: dict[str, Any]) -> CapturedExchange:
+        return CapturedExchange(
+            completion_id=str(response.get("id") or ""), endpoint=self.endpoint,
+            requested_model=self.requested_model, alias=self.served.alias,
+            engine_model=self.served.engine_model, adapter_version=self.served.version,
+            client_key_id=self.client_key_id, request=request_body, response=response,
+            created_at=self.started_at, latency_ms=(time.perf_counter() - self.started) * 1000,
+            trajectory_id=self.trajectory_id, task=self.task, group_id=self.group_id)
+
+
+def plan_capture(request: Request, config: CaptureConfig, *, endpoint: str, served: ServedModel,
+                 requested_model: str, client_key_id: str | None, started: float) -> CapturePlan | None:
+    """None when this request is not to be captured (header, config default, sampling)."""
+    headers = request.headers
+    switch = (headers.get("x-flywheel-capture") or "").strip().lower()
+    if switch in ("off", "0", "false", "no"):
+        return None
+    forced = switch in ("on", "1", "true", "yes")
+    if not forced and (not config.enabled or random.random() >= config.sample_rate):
+        return None
+    return CapturePlan(endpoint=endpoint, served=served, requested_model=requested_model,
+                       client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
+                       trajectory_id=headers.get("x-flywheel-trajectory-id") or None,
+                       task=headers.get("x-flywheel-task") or None,
+                       group_id=headers.get("x-flywheel-group-id") or None)
