@@ -83,6 +83,8 @@ class Recorder:
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None
         self._retry_task: asyncio.Task[None] | None = None
+        self._collecting: list[CapturedExchange] = []  # the batch being filled (drain writes it too)
+        self._writing: asyncio.Future[None] | None = None  # the batch being written (drain awaits it)
 
     def submit(self, exchange: CapturedExchange) -> None:
         """Hand over a finished exchange; never blocks, never raises."""
@@ -104,7 +106,9 @@ class Recorder:
         for task in (self._task, self._retry_task):
             if task is not None:
                 task.cancel()
-        batch = []
+        if self._writing is not None:
+            await self._writing  # shielded from the cancel above: let the batch in flight commit
+        batch, self._collecting = self._collecting, []
         while not self.queue.empty():
             batch.append(self.queue.get_nowait())
         if batch:
@@ -113,17 +117,20 @@ class Recorder:
 
     async def _run(self) -> None:
         while True:
-            batch = [await self.queue.get()]
+            self._collecting.append(await self.queue.get())
             deadline = time.monotonic() + self.batch_wait_s
-            while len(batch) < self.batch_size:
+            while len(self._collecting) < self.batch_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+                    self._collecting.append(await asyncio.wait_for(self.queue.get(), remaining))
                 except TimeoutError:
                     break
-            await self._write(batch)
+            batch, self._collecting = self._collecting, []
+            self._writing = asyncio.ensure_future(self._write(batch))
+            await asyncio.shield(self._writing)
+            self._writing = None
 
     async def _write(self, batch: list[CapturedExchange]) -> None:
         prepared = await asyncio.to_thread(self._prepare, batch)

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from capture.recorder import Recorder, Spool
 from capture.redaction import Redactor
 from capture.store import Store
-from gateway import admin_api, openai_api
+from gateway import admin_api, openai_api, stored_api, trajectories_api
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.engines.base import Engine
@@ -115,6 +115,8 @@ def build_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="Flywheel gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai_api.router)
     app.include_router(admin_api.router)
+    app.include_router(stored_api.router)
+    app.include_router(trajectories_api.router)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]

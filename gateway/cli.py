@@ -16,10 +16,13 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from gateway.cli_trajectories import trajectories_app
 from gateway.config import Settings, load_settings
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+app.add_typer(trajectories_app, name="trajectories")
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
 

@@ -11,9 +11,11 @@ the gateway sent upstream.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +93,7 @@ class ScriptedOpenAI:
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
-        result = {"id": "chatcmpl-scripted", "object": "chat.completion", "created": 1, "model": body["model"],
+        result = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 1, "model": body["model"],
                   "choices": [{"index": 0, "message": message, "logprobs": None,
                                "finish_reason": reply.finish_reason, "token_ids": [1, 2, 3]}],
                   "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
@@ -99,16 +101,21 @@ class ScriptedOpenAI:
         return Response(orjson.dumps(result), media_type="application/json")
 
     async def _chunks(self, body: dict[str, Any], reply: Reply) -> AsyncIterator[bytes]:
-        base = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1,
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": 1,
                 "model": body["model"]}
         deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-        deltas += [{"content": piece} for piece in (reply.content or "").split(" ") if piece]
+        deltas += [{"content": piece} for piece in re.findall(r"\S+\s*", reply.content or "")]
         for index, call in enumerate(reply.tool_calls or ()):
             deltas.append({"tool_calls": [{"index": index, **call}]})
         for sent, delta in enumerate(deltas):
             if reply.break_after_chunks is not None and sent >= reply.break_after_chunks:
                 raise ConnectionAbortedError("scripted break")  # uvicorn drops the connection mid-body
-            chunk = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            chunk: dict[str, Any] = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                          "finish_reason": None}]}
+            if body.get("return_token_ids"):  # vLLM: prompt ids on the first chunk, sampled ids on each
+                chunk["choices"][0]["token_ids"] = [] if sent == 0 else [100 + sent]
+                if sent == 0:
+                    chunk["prompt_token_ids"] = [7, 7, 7, 7, 7]
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         yield b"data: " + orjson.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                              "finish_reason": reply.finish_reason}]}) + b"\n\n"

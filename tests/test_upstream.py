@@ -130,6 +130,6 @@ engine = "up"
         finally:
             gateway.stop()
     assert [p["choices"][0]["delta"] for p in payloads[:2]] == [{"role": "assistant", "content": ""},
-                                                                 {"content": "one"}]
+                                                                 {"content": "one "}]
     assert payloads[2]["error"]["type"] == "upstream_error"
     assert payloads[-1] == "[DONE]"

@@ -485,6 +485,8 @@ class _Runtime:
             # strip the LoRA layers and serve the plain base model again.
             self.model = self.model.unload()
         else:
+            if name in self.model.active_adapters:  # move off it first: PEFT warns when deleting the active one
+                self.model.set_adapter(next(a for a in sorted(self.adapters) if a != name), inference_mode=True)
             self.model.delete_adapter(name)
         self.adapters.discard(name)
         self._active_adapter = None

@@ -1,0 +1,147 @@
+"""OpenAI's Stored Completions API over the capture store, so existing tooling can read captured traffic.
+
+    GET    /v1/chat/completions                          list (after, limit, order, model, metadata[k]=v)
+    GET    /v1/chat/completions/{completion_id}          one chat.completion (all its choices)
+    POST   /v1/chat/completions/{completion_id}          update its metadata ({"metadata": {...}})
+    DELETE /v1/chat/completions/{completion_id}          delete it
+    GET    /v1/chat/completions/{completion_id}/messages its request messages (after, limit, order)
+
+Every captured chat completion is "stored" (the gateway captures unless told not to; the
+request's ``store`` flag is not consulted). A client key sees only its own completions;
+with no client keys configured every completion is visible. ``POST /v1/chat/completions``
+(creating one) lives in :mod:`gateway.openai_api`; only the methods differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from capture import queries
+from capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
+from capture.store import Store
+from gateway.errors import BadRequest, NotFound, OpenAIError
+from gateway.openai_api import read_body
+from gateway.protocol import parse_json_object
+from gateway.state import GatewayState
+
+router = APIRouter()
+
+_METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+_MAX_LIMIT = 100  # OpenAI's cap on list pages
+_MAX_METADATA_KEYS, _MAX_KEY_CHARS, _MAX_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
+
+
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _caller(request: Request) -> tuple[Store, Owner]:
+    """The store and whose completions the caller may see (401 on a wrong key)."""
+    state = GatewayState.of(request)
+    key_id = state.auth.client(request)
+    if state.store is None:
+        raise OpenAIError("Capture is not configured on this gateway: nothing is stored.", status_code=404,
+                          error_type="invalid_request_error", code="not_found")
+    return state.store, (key_id if key_id is not None else EVERY_KEY)
+
+
+def _not_found(completion_id: str) -> NotFound:
+    return NotFound(f"No chat completion found with id '{completion_id}'.", param="completion_id", code="not_found")
+
+
+async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """A blocking store call on a worker thread; filter errors become 400s naming the parameter."""
+    try:
+        return await asyncio.to_thread(function, *args, **kwargs)
+    except QueryError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+
+
+@router.get("/v1/chat/completions")
+async def list_chat_completions(request: Request) -> Response:
+    store, owner = _caller(request)
+    params = request.query_params
+    metadata = {match.group(1): value for name, value in params.multi_items()
+                if (match := _METADATA_PARAM.match(name))}
+    try:
+        limit = queries.parse_limit(params.get("limit"), "limit", default=20, maximum=_MAX_LIMIT)
+        order = queries.parse_order(params.get("order"))
+    except QueryError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+    flt = CompletionFilter(model=params.get("model") or None, metadata=metadata)
+    page = await _run(queries.list_completions, store, owner, flt, limit=limit, after=params.get("after") or None,
+                      order=order)
+    return _json(page.to_json())
+
+
+@router.get("/v1/chat/completions/{completion_id}")
+async def retrieve_chat_completion(completion_id: str, request: Request) -> Response:
+    store, owner = _caller(request)
+    found = await _run(queries.get_completion, store, completion_id, owner)
+    if found is None:
+        raise _not_found(completion_id)
+    return _json(found)
+
+
+@router.post("/v1/chat/completions/{completion_id}")
+async def update_chat_completion(completion_id: str, request: Request) -> Response:
+    store, owner = _caller(request)
+    body = parse_json_object(await read_body(request, GatewayState.of(request).settings.max_body_bytes))
+    if "metadata" not in body:
+        raise BadRequest("Missing required parameter: 'metadata'.", param="metadata",
+                         code="missing_required_parameter")
+    metadata = _valid_metadata(body["metadata"])
+    updated = await _run(queries.update_completion_metadata, store, completion_id, owner, metadata)
+    if updated is None:
+        raise _not_found(completion_id)
+    return _json(updated)
+
+
+@router.delete("/v1/chat/completions/{completion_id}")
+async def delete_chat_completion(completion_id: str, request: Request) -> Response:
+    store, owner = _caller(request)
+    if not await _run(queries.delete_completion, store, completion_id, owner):
+        raise _not_found(completion_id)
+    return _json({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
+
+
+@router.get("/v1/chat/completions/{completion_id}/messages")
+async def list_chat_completion_messages(completion_id: str, request: Request) -> Response:
+    store, owner = _caller(request)
+    params = request.query_params
+    try:
+        limit = queries.parse_limit(params.get("limit"), "limit", default=20, maximum=_MAX_LIMIT)
+        order = queries.parse_order(params.get("order"))
+    except QueryError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+    page = await _run(queries.completion_messages, store, completion_id, owner, limit=limit,
+                      after=params.get("after") or None, order=order)
+    if page is None:
+        raise _not_found(completion_id)
+    return _json(page.to_json())
+
+
+def _valid_metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's rules: at most 16 string pairs, keys up to 64 characters, values up to 512; null clears."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("Invalid value for 'metadata': expected an object of string keys and values.",
+                         param="metadata", code="invalid_type")
+    if len(value) > _MAX_METADATA_KEYS:
+        raise BadRequest(f"Invalid value for 'metadata': at most {_MAX_METADATA_KEYS} keys, got {len(value)}.",
+                         param="metadata", code="invalid_value")
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise BadRequest(f"Invalid value for 'metadata.{key}': values must be strings.",
+                             param=f"metadata.{key}", code="invalid_type")
+        if len(key) > _MAX_KEY_CHARS or len(item) > _MAX_VALUE_CHARS:
+            raise BadRequest(f"Invalid value for 'metadata.{key}': keys are at most {_MAX_KEY_CHARS} characters, "
+                             f"values at most {_MAX_VALUE_CHARS}.", param=f"metadata.{key}", code="invalid_value")
+    return dict(value)

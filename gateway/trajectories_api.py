@@ -1,0 +1,145 @@
+"""The trajectories part of the admin API (``/flywheel/v1/trajectories``), plus the client's close.
+
+    GET    /flywheel/v1/trajectories                    list: alias, since, until, status, task, has_reward,
+                                                        client_key_id, limit, after, order
+    GET    /flywheel/v1/trajectories/{id}               one, with turns (in order), branches, scores, feedback
+    DELETE /flywheel/v1/trajectories/{id}               delete it (turns, group memberships, scores, feedback)
+    DELETE /flywheel/v1/trajectories?client_key_id=K    delete everything a client key left
+    GET    /flywheel/v1/trajectories/{id}/export        format=openai|art: JSON Lines, one line per branch
+    POST   /flywheel/v1/trajectories/{id}/close         client key, not admin: "this conversation is done"
+
+All but ``close`` need the admin key. ``close`` takes the client key that made the
+trajectory (any caller when no client keys are configured); a trajectory of another key
+is reported as not found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from capture import export, queries
+from capture.queries import QueryError, TrajectoryFilter
+from capture.store import Store
+from gateway.errors import BadRequest, NotFound, OpenAIError
+from gateway.openai_api import read_body
+from gateway.protocol import parse_json_object
+from gateway.state import GatewayState
+
+router = APIRouter(prefix="/flywheel/v1")
+
+_MAX_LIMIT = 1000
+_FILTERS = ("alias", "since", "until", "status", "task", "has_reward", "client_key_id")
+
+
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _store(state: GatewayState) -> Store:
+    if state.store is None:
+        raise OpenAIError("Capture is not configured on this gateway: nothing is stored.", status_code=404,
+                          error_type="invalid_request_error", code="not_found")
+    return state.store
+
+
+def _admin(request: Request) -> Store:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    return _store(state)
+
+
+def _not_found(trajectory_id: str) -> NotFound:
+    return NotFound(f"No trajectory found with id '{trajectory_id}'.", param="trajectory_id", code="not_found")
+
+
+async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """A blocking store call on a worker thread; filter errors become 400s naming the parameter."""
+    try:
+        return await asyncio.to_thread(function, *args, **kwargs)
+    except QueryError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+
+
+@router.get("/trajectories")
+async def list_trajectories(request: Request) -> Response:
+    store = _admin(request)
+    params = request.query_params
+    try:
+        flt = TrajectoryFilter.from_query({k: params[k] for k in _FILTERS if k in params})
+        limit = queries.parse_limit(params.get("limit"), "limit", default=100, maximum=_MAX_LIMIT)
+        order = queries.parse_order(params.get("order"), default="desc")
+    except QueryError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+    page = await _run(queries.list_trajectories, store, flt, limit=limit, after=params.get("after") or None,
+                      order=order)
+    return _json(page.to_json())
+
+
+@router.delete("/trajectories")
+async def delete_client_trajectories(request: Request) -> Response:
+    store = _admin(request)
+    client_key_id = request.query_params.get("client_key_id")
+    if not client_key_id:
+        raise BadRequest("Missing required parameter: 'client_key_id' (deleting every trajectory is not offered).",
+                         param="client_key_id", code="missing_required_parameter")
+    counts = await _run(queries.delete_client_data, store, client_key_id)
+    return _json({"object": "client_key.deleted", "client_key_id": client_key_id, "deleted": True,
+                  "rows": counts.to_json()})
+
+
+@router.get("/trajectories/{trajectory_id}")
+async def show_trajectory(trajectory_id: str, request: Request) -> Response:
+    store = _admin(request)
+    detail = await _run(queries.trajectory_detail, store, trajectory_id)
+    if detail is None:
+        raise _not_found(trajectory_id)
+    return _json(detail)
+
+
+@router.delete("/trajectories/{trajectory_id}")
+async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
+    store = _admin(request)
+    counts = await _run(queries.delete_trajectory, store, trajectory_id)
+    if counts is None:
+        raise _not_found(trajectory_id)
+    return _json({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True, "rows": counts.to_json()})
+
+
+@router.get("/trajectories/{trajectory_id}/export")
+async def export_trajectory(trajectory_id: str, request: Request) -> Response:
+    store = _admin(request)
+    fmt = request.query_params.get("format", "openai")
+    if fmt not in ("openai", "art"):
+        raise BadRequest(f"Invalid value for 'format': expected 'openai' or 'art', got {fmt!r} "
+                         "(Parquet comes from the CLI: flywheel trajectories export --format parquet).",
+                         param="format", code="invalid_value")
+    detail = await _run(queries.trajectory_detail, store, trajectory_id)
+    if detail is None:
+        raise _not_found(trajectory_id)
+    body = export.jsonl(export.records(detail, "openai" if fmt == "openai" else "art"))
+    return Response(body.encode(), media_type="application/x-ndjson")
+
+
+@router.post("/trajectories/{trajectory_id}/close")
+async def close_trajectory(trajectory_id: str, request: Request) -> Response:
+    """The client says the conversation is over: it will be scored and trained on."""
+    state = GatewayState.of(request)
+    key_id = state.auth.client(request)
+    store = _store(state)
+    raw = await read_body(request, state.settings.max_body_bytes)
+    reason = "client"
+    if raw.strip():
+        body = parse_json_object(raw)
+        reason = body.get("reason") or reason
+        if not isinstance(reason, str):
+            raise BadRequest("Invalid value for 'reason': expected a string.", param="reason", code="invalid_type")
+    found = await _run(queries.get_trajectory, store, trajectory_id)
+    if found is None or (key_id is not None and found["client_key_id"] != key_id):
+        raise _not_found(trajectory_id)  # another key's trajectory is not even admitted to exist
+    await asyncio.to_thread(store.close_trajectory, trajectory_id, reason)
+    return _json(await _run(queries.get_trajectory, store, trajectory_id))

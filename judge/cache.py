@@ -1,0 +1,131 @@
+"""The judge's cache: its answers live in the store's ``scores`` table, keyed by content hash.
+
+    cache = JudgeCache(engine)                       # a SQLAlchemy engine on the store
+    scored = await ruler_score_group(group, "openai/o3", cache=cache)
+
+One judging of a group is a *batch* of :class:`~capture.models.Score` rows, one per
+trajectory in group order, all with ``source="ruler"`` and the same ``cache_key``
+(:func:`~judge.ruler.ruler_cache_key`: judge model + rubric hash + prompt version + task +
+the canonical JSON of the messages and tools). Row ids are ``rs_<batch>_<position>``, so a
+batch reads back in order without a position column. The batch's first row carries the
+call's tokens and cost; the others hold 0 tokens and a NULL cost, so ``SUM`` over the
+table is what was really spent. A batch written for a cache hit (same content, other
+trajectories) costs nothing and says so.
+
+The rows are also the audit trail of the judge's scores: value, explanation, judge model,
+rubric hash. Database calls are short synchronous statements on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
+
+from capture.models import Score
+from judge.rubric import PROMPT_VERSION
+from judge.ruler import RulerResult, RulerScore
+
+SOURCE = "ruler"
+
+
+def _batch_and_position(row_id: str) -> tuple[str, int]:
+    """``rs_<batch>_<position>`` -> (batch, position)."""
+    batch, _, position = row_id.rpartition("_")
+    return batch, int(position)
+
+
+def placeholder_trajectory_id(position: int) -> str:
+    """The id stored for an in-memory trajectory that has none: its label in the prompt."""
+    return f"#{position + 1}"
+
+
+class JudgeCache:
+    """Judge answers stored as ``scores`` rows; :meth:`get` by content key, :meth:`put` after a call."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._claims: dict[str, asyncio.Lock] = {}
+        self._claimants: defaultdict[str, int] = defaultdict(int)
+
+    @asynccontextmanager
+    async def claim(self, key: str) -> AsyncIterator[None]:
+        """Hold ``key`` while checking, calling and storing, so concurrent equal groups pay once.
+
+        Only within this process (one event loop); the store is single-writer anyway.
+        """
+        lock = self._claims.setdefault(key, asyncio.Lock())
+        self._claimants[key] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._claimants[key] -= 1
+            if not self._claimants[key]:  # last one out forgets the key
+                del self._claimants[key]
+                del self._claims[key]
+
+    def _batches(self, session: Session, key: str) -> dict[str, list[Score]]:
+        rows = session.exec(select(Score).where(Score.cache_key == key, Score.source == SOURCE)
+                            .order_by(col(Score.id))).all()
+        batches: dict[str, list[Score]] = {}
+        for row in rows:
+            batches.setdefault(_batch_and_position(row.id)[0], []).append(row)
+        for batch in batches.values():
+            batch.sort(key=lambda row: _batch_and_position(row.id)[1])
+        return batches
+
+    def get(self, key: str) -> RulerResult | None:
+        """The stored answer for ``key`` (``cached=True``, no usage: nothing is paid now), or ``None``."""
+        with Session(self.engine) as session:
+            batches = self._batches(session, key)
+        # Every batch under one key holds the same answer (later ones copy the first); any will do.
+        for rows in batches.values():
+            positions = [_batch_and_position(row.id)[1] for row in rows]
+            if positions != list(range(len(rows))):
+                continue  # not a whole batch (should not happen: batches are written in one transaction)
+            scores = [RulerScore(trajectory_id=str(i + 1), explanation=row.explanation or "", score=row.value)
+                      for i, row in enumerate(rows)]
+            return RulerResult(scores=scores, judge_model=rows[0].judge_model or "",
+                               rubric_hash=rows[0].rubric_hash or "", prompt_version=PROMPT_VERSION,
+                               cache_key=key, cost_usd=0.0, cached=True)
+        return None
+
+    def put(self, key: str, result: RulerResult, trajectory_ids: Sequence[str | None],
+            group_id: str | None = None) -> list[Score]:
+        """Store ``result`` as one batch of rows; a batch already stored for the same trajectories is kept.
+
+        ``trajectory_ids[i]`` is the store id of the trajectory scored by ``result.scores[i]``;
+        ``None`` (an in-memory trajectory) is stored as ``#<i+1>``. Returns the batch's rows.
+        """
+        if len(trajectory_ids) != len(result.scores):
+            raise ValueError(f"{len(trajectory_ids)} trajectory ids for {len(result.scores)} scores")
+        ids = [tid or placeholder_trajectory_id(i) for i, tid in enumerate(trajectory_ids)]
+        with Session(self.engine, expire_on_commit=False) as session:
+            for rows in self._batches(session, key).values():
+                if [row.trajectory_id for row in rows] == ids and rows[0].group_id == group_id:
+                    return rows  # the same group again: never two batches for one judging
+            batch = f"rs_{uuid.uuid4().hex[:16]}"
+            rows = []
+            for position, (trajectory_id, score) in enumerate(zip(ids, result.scores, strict=True)):
+                carries_usage = position == 0 and not result.cached
+                fields: dict[str, Any] = {
+                    "id": f"{batch}_{position:04d}", "trajectory_id": trajectory_id, "group_id": group_id,
+                    "source": SOURCE, "value": score.score, "explanation": score.explanation,
+                    "judge_model": result.judge_model, "rubric_hash": result.rubric_hash, "cache_key": key,
+                    "prompt_tokens": result.prompt_tokens if carries_usage else 0,
+                    "completion_tokens": result.completion_tokens if carries_usage else 0,
+                    "cost_usd": (result.cost_usd if carries_usage else None) if not result.cached else 0.0,
+                }
+                if "prompt_version" in Score.model_fields:  # once the store records it (see docs/judge.md)
+                    fields["prompt_version"] = result.prompt_version
+                rows.append(Score(**fields))
+            session.add_all(rows)
+            session.commit()
+        return rows
