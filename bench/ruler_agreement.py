@@ -99,11 +99,12 @@ def _field_docs() -> dict[str, str]:
     """The string under each Args field (read from the source: one place to write help)."""
     import ast
     import inspect
+    import itertools
     import textwrap
 
     body = ast.parse(textwrap.dedent(inspect.getsource(Args))).body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             docs[node.target.id] = str(after.value.value)
@@ -226,7 +227,8 @@ def print_report(summary: dict[str, Any], judge_label: str, scripted: bool) -> N
             continue
         pairs = " ".join(f"{k:.2f}->{j:.2f}" for k, j in zip(row["known"], row["judged"], strict=True))
         print(f"{row['id']:<20} {_fmt(row['pairwise_accuracy']):>9} {_fmt(row['kendall_tau']):>6}  {pairs}")
-    cost = "unknown (model not in litellm's price map)" if summary["cost_usd"] is None else f"${summary['cost_usd']:.4f}"
+    cost = (f"${summary['cost_usd']:.4f}" if summary["cost_usd"] is not None
+            else "unknown (model not in litellm's price map)")
     print(f"\npooled pairwise accuracy: {_fmt(summary['pairwise_accuracy']).strip()} over {summary['pairs']} pairs")
     print(f"mean Kendall tau-b:       {_fmt(summary['mean_kendall_tau']).strip()}")
     print(f"groups judged:            {summary['groups_judged']} of {summary['groups_total']}")

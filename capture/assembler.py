@@ -90,6 +90,10 @@ class StreamAssembler:
         if isinstance(logprobs.get("token_logprobs"), list):
             state.legacy_logprobs.extend(logprobs["token_logprobs"])
 
+    def completion_tokens(self, *, below: int) -> int:
+        """Tokens sampled for the choices with an index below ``below`` (a forked stream's client part)."""
+        return sum(len(state.token_ids) for index, state in self._choices.items() if index < below)
+
     def response(self) -> dict[str, Any]:
         choices = [self._choice(index, state) for index, state in sorted(self._choices.items())]
         out: dict[str, Any] = {"id": self.id, "created": self.created, "model": self.model, "choices": choices,

@@ -137,7 +137,7 @@ class ParquetExport:
     turns: int
 
 
-def export_parquet(store: Store, out_dir: Path, flt: TrajectoryFilter = TrajectoryFilter()) -> ParquetExport:
+def export_parquet(store: Store, out_dir: Path, flt: TrajectoryFilter | None = None) -> ParquetExport:
     """``trajectories.parquet`` and ``turns.parquet`` under ``out_dir`` via DuckDB's ``COPY ... TO``.
 
     DuckDB-only SQL lives here and nowhere else: the selection is built with SQLAlchemy and
@@ -147,7 +147,7 @@ def export_parquet(store: Store, out_dir: Path, flt: TrajectoryFilter = Trajecto
         raise ExportError(f"Parquet export reads the DuckDB file directly; this store is "
                           f"{store.url.split('://')[0]}. Export JSON Lines (openai, art) instead.")
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen = select(TrajectoryRow.id).where(*flt.conditions())
+    chosen = select(TrajectoryRow.id).where(*(flt or TrajectoryFilter()).conditions())
     ids_sql = str(chosen.compile(store.engine, compile_kwargs={"literal_binds": True}))
     trajectories_path, turns_path = out_dir / "trajectories.parquet", out_dir / "turns.parquet"
     with store.engine.connect() as connection:

@@ -135,6 +135,7 @@ class Score(SQLModel, table=True):
     explanation: str | None = None
     judge_model: str | None = None
     rubric_hash: str | None = None
+    prompt_version: str | None = None
     cache_key: str | None = Field(default=None, index=True)
     prompt_tokens: int = 0
     completion_tokens: int = 0

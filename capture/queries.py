@@ -150,7 +150,7 @@ def iso(moment: datetime | None) -> str | None:
     return moment.astimezone(UTC).isoformat()
 
 
-def _after_cursor(created: ColumnElement[Any], key: ColumnElement[Any], at: datetime, after_id: str,
+def _after_cursor(created: Any, key: Any, at: datetime, after_id: str,
                   order: Order) -> ColumnElement[bool]:
     """Rows strictly after ``(at, after_id)`` in ``(created, key)`` order: a keyset cursor, no OFFSET."""
     if order == "asc":
@@ -301,7 +301,7 @@ def branches(turns: Sequence[Turn]) -> list[list[str]]:
         path = [leaf.id]
         node = leaf
         while node.parent_turn_id in by_id:
-            node = by_id[node.parent_turn_id]  # type: ignore[index]
+            node = by_id[node.parent_turn_id]
             path.append(node.id)
         out.append(path[::-1])
     return out
@@ -434,7 +434,8 @@ class CompletionFilter:
 
 
 def _owned(owner: Owner) -> list[ColumnElement[bool]]:
-    conditions: list[ColumnElement[bool]] = [col(Turn.endpoint) == CHAT_ENDPOINT]
+    """Chat turns the client saw (forked siblings share the completion id but were never sent), of ``owner``."""
+    conditions: list[ColumnElement[bool]] = [col(Turn.endpoint) == CHAT_ENDPOINT, col(Turn.source) == "client"]
     if not isinstance(owner, _EveryKey):
         conditions.append(col(Turn.client_key_id).is_not_distinct_from(owner))
     return conditions
@@ -537,7 +538,8 @@ def store_message(message_id: str, message: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"id": message_id, **{k: v for k, v in message.items() if k != "content"}}
     content = message.get("content")
     if isinstance(content, list):
-        out["content"] = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+        texts = [p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        out["content"] = "".join(texts)
         out["content_parts"] = content
     else:
         out["content"] = content

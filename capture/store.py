@@ -163,7 +163,9 @@ class TrajectoryLinker:
     def link_and_add(self, item: PreparedTurn) -> Turn:
         row = item.row
         parent: _Candidate | None = None
-        if item.explicit_trajectory_id:
+        if row["source"] == "fork":  # a sibling the client never saw: its own one-turn trajectory
+            trajectory_id = new_id("traj")
+        elif item.explicit_trajectory_id:
             trajectory_id = item.explicit_trajectory_id
             parent = self._parent_in(trajectory_id, item.assistant_prefix_hashes)
         else:
@@ -175,7 +177,7 @@ class TrajectoryLinker:
         turn = Turn(**row, trajectory_id=trajectory_id, parent_turn_id=parent.turn_id if parent else None,
                     depth=parent.depth + 1 if parent else 0)
         self.session.add(turn)
-        self._touch_trajectory(turn, explicit=item.explicit_trajectory_id is not None,
+        self._touch_trajectory(turn, explicit=item.explicit_trajectory_id is not None and row["source"] != "fork",
                                branched=parent is not None and parent.has_children)
         self.session.flush()  # later turns of the same batch must see this one
         return turn
@@ -230,6 +232,8 @@ class TrajectoryLinker:
                                     extra_metadata=turn.request_metadata)
         if trajectory.status == "closed":  # only an explicit id gets here: the client chose to continue it
             trajectory.status, trajectory.closed_at, trajectory.close_reason = "open", None, None
+        if turn.source == "fork":
+            trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", turn.created_at, "fork"
         trajectory.turn_count += 1
         trajectory.branch_count += 1 if branched else 0
         trajectory.latest_turn_id = turn.id

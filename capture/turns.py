@@ -42,6 +42,7 @@ class CapturedExchange:
     task: str | None = None  # X-Flywheel-Task
     group_id: str | None = None  # X-Flywheel-Group-Id
     source: str = "client"  # "client" | "fork"
+    client_choices: int | None = None  # forked request: choices from this index on are siblings the client never saw
 
 
 @dataclass
@@ -85,11 +86,13 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
         stored_message = redactor.message(message) if redactor else message
         redacted = request_changed or stored_message != message
         completion_ids = choice.get("token_ids")
+        index = int(choice.get("index", 0))
+        forked = exchange.client_choices is not None and index >= exchange.client_choices
         row: dict[str, Any] = {
             "id": new_id("turn"),
             "completion_id": exchange.completion_id,
-            "choice_index": int(choice.get("index", 0)),
-            "source": exchange.source,
+            "choice_index": index,
+            "source": "fork" if forked else exchange.source,
             "endpoint": exchange.endpoint,
             "created_at": exchange.created_at,
             "latency_ms": exchange.latency_ms,

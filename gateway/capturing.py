@@ -16,7 +16,8 @@ from typing import Any
 from starlette.requests import Request
 
 from capture.turns import CapturedExchange
-from gateway.config import CaptureConfig
+from gateway.config import CaptureConfig, GroupsConfig
+from gateway.errors import BadRequest
 from gateway.routing import ServedModel
 
 
@@ -33,6 +34,7 @@ class CapturePlan:
     trajectory_id: str | None
     task: str | None
     group_id: str | None
+    fork_k: int = 0  # extra samples drawn for this request and kept from the client
 
     def exchange(self, request_body: dict[str, Any], response: dict[str, Any]) -> CapturedExchange:
         return CapturedExchange(
@@ -41,11 +43,13 @@ class CapturePlan:
             engine_model=self.served.engine_model, adapter_version=self.served.version,
             client_key_id=self.client_key_id, request=request_body, response=response,
             created_at=self.started_at, latency_ms=(time.perf_counter() - self.started) * 1000,
-            trajectory_id=self.trajectory_id, task=self.task, group_id=self.group_id)
+            trajectory_id=self.trajectory_id, task=self.task, group_id=self.group_id,
+            client_choices=int(request_body.get("n") or 1) if self.fork_k else None)
 
 
-def plan_capture(request: Request, config: CaptureConfig, *, endpoint: str, served: ServedModel,
-                 requested_model: str, client_key_id: str | None, started: float) -> CapturePlan | None:
+def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, *, endpoint: str,
+                 served: ServedModel, requested_model: str, client_key_id: str | None,
+                 started: float) -> CapturePlan | None:
     """None when this request is not to be captured (header, config default, sampling)."""
     headers = request.headers
     switch = (headers.get("x-flywheel-capture") or "").strip().lower()
@@ -58,4 +62,15 @@ def plan_capture(request: Request, config: CaptureConfig, *, endpoint: str, serv
                        client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
                        trajectory_id=headers.get("x-flywheel-trajectory-id") or None,
                        task=headers.get("x-flywheel-task") or None,
-                       group_id=headers.get("x-flywheel-group-id") or None)
+                       group_id=headers.get("x-flywheel-group-id") or None,
+                       fork_k=fork_count(request, groups) if endpoint == "chat.completions" else 0)
+
+
+def fork_count(request: Request, groups: GroupsConfig) -> int:
+    """Extra samples to draw: ``X-Flywheel-Fork: k`` or, for a ``fork_fraction`` of turns, ``fork_k``."""
+    header = request.headers.get("x-flywheel-fork")
+    if header is not None:
+        if not header.strip().isdigit() or not 0 <= int(header) <= 16:
+            raise BadRequest("Invalid value for 'X-Flywheel-Fork': an integer from 0 to 16", param="X-Flywheel-Fork")
+        return int(header)
+    return groups.fork_k if groups.fork_fraction and random.random() < groups.fork_fraction else 0

@@ -107,6 +107,17 @@ class CaptureConfig(BaseModel):
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
 
 
+class GroupsConfig(BaseModel):
+    """Where GRPO groups come from (DESIGN §5)."""
+
+    min_size: int = Field(default=2, ge=2)  # smaller groups wait for members (or are dropped: forks)
+    max_size: int = Field(default=8, ge=2)  # larger ones are cut, oldest first; never padded
+    task_window_s: float = 3600.0  # same-task trajectories must start within this span
+    cohorts: bool = False  # also group by system prompt + tools alone (weaker signal)
+    fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
+    fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -131,6 +142,7 @@ class Settings(BaseSettings):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    groups: GroupsConfig = Field(default_factory=GroupsConfig)
 
     @property
     def database(self) -> str:

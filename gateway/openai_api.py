@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import orjson
@@ -47,6 +47,7 @@ class ClientAsks:
     token_ids: bool
     logprobs: bool
     usage: bool  # streaming only: the final usage chunk
+    choices: int | None = None  # forked request: the client sees only choices below this index
 
     @classmethod
     def of(cls, body: Body, endpoint: Endpoint) -> ClientAsks:
@@ -76,9 +77,18 @@ def shape_for_client(payload: Body, asks: ClientAsks, requested_model: str) -> B
     out = {**payload, "model": requested_model}
     if not asks.token_ids:
         out.pop("prompt_token_ids", None)
+    if asks.choices is not None and out.get("choices"):
+        out["choices"] = [c for c in out["choices"] if c.get("index", 0) < asks.choices]
+        if out.get("usage") and all(c.get("token_ids") is not None for c in out["choices"]):
+            out["usage"] = usage_of(out["usage"]["prompt_tokens"], sum(len(c["token_ids"]) for c in out["choices"]))
     if out.get("choices") and not (asks.token_ids and asks.logprobs):
         out["choices"] = [_shape_choice(choice, asks) for choice in out["choices"]]
     return out
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> Body:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _shape_choice(choice: Body, asks: ClientAsks) -> Body:
@@ -150,8 +160,11 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         to_engine = engine_request(body, served, endpoint)
         plan = None
         if state.recorder is not None:
-            plan = plan_capture(request, state.settings.capture, endpoint=endpoint.value, served=served,
-                                requested_model=body["model"], client_key_id=key_id, started=started)
+            plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
+                                served=served, requested_model=body["model"], client_key_id=key_id, started=started)
+            if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
+                asks = replace(asks, choices=int(body.get("n") or 1))
+                to_engine["n"] = asks.choices + plan.fork_k
         if body.get("stream"):
             return await _stream(state, served, endpoint, to_engine, asks, body, started, plan)
         served.in_flight += 1
@@ -210,6 +223,9 @@ async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoi
                 state.metrics.count_usage(served.alias, chunk.get("usage"))
             if assembler is not None:
                 assembler.add(chunk)
+            if asks.choices is not None and chunk.get("usage") and assembler is not None:
+                chunk = {**chunk, "usage": usage_of(chunk["usage"]["prompt_tokens"],
+                                                    assembler.completion_tokens(below=asks.choices))}
             shaped = _shape_chunk(chunk, asks, body["model"])
             if shaped is not None:
                 yield b"data: " + orjson.dumps(shaped) + b"\n\n"
@@ -236,6 +252,8 @@ def _shape_chunk(chunk: Chunk, asks: ClientAsks, requested_model: str) -> Chunk 
     if not chunk.get("choices") and not asks.usage:
         return None  # the usage chunk the gateway asked for, not the client
     shaped = shape_for_client(chunk, asks, requested_model)
+    if chunk.get("choices") and not shaped["choices"]:
+        return None  # only forked siblings in this chunk
     if not asks.usage:
         shaped.pop("usage", None)
     return shaped

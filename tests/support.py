@@ -45,7 +45,8 @@ def _encode_examples(tokenizer: Any, examples: list[Example], tools: list[dict[s
     """Token ids and labels (-100 on the prompt) for each example; targets end with <|im_end|>."""
     inputs, labels = [], []
     for messages, answer in examples:
-        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                               tokenize=False)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         inputs.append(prompt_ids + answer_ids)
@@ -135,7 +136,7 @@ def greedy_answer(model_dir: Path | str, messages: Messages, *, tools: list[dict
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel

@@ -176,6 +176,12 @@ async def test_stop_strings(engine: LocalEngine) -> None:
     assert all(stop not in (c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
 
 
+async def test_tiny_top_p_is_greedy(engine: LocalEngine) -> None:
+    greedy_text = (await engine.chat(chat_body(temperature=0)))["choices"][0]["message"]["content"]
+    nucleus = await engine.chat(chat_body(temperature=1.5, top_p=1e-6, seed=123))
+    assert nucleus["choices"][0]["message"]["content"] == greedy_text
+
+
 async def test_bad_requests(engine: LocalEngine) -> None:
     cases = [
         (chat_body(response_format={"type": "json_object"}), "response_format"),
@@ -192,6 +198,47 @@ async def test_bad_requests(engine: LocalEngine) -> None:
         with pytest.raises(BadRequest):
             engine.chat_stream(body)  # raised before any chunk exists
     chat_body(response_format={"type": "text"})  # allowed
+
+
+class _Pieces:
+    """A detokenizer whose token i is the string pieces[i]."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def add(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def flush(self) -> str:
+        return ""
+
+
+def _run_choice(pieces: list[str], **sampling: Any) -> list[tuple[str, list[int], str | None]]:
+    from gateway.engines.local import Sampling, _Choice
+
+    choice = _Choice(0, Sampling(**{"max_tokens": 100, **sampling}), {99}, _Pieces(pieces))  # type: ignore[arg-type]
+    out = []
+    for token_id in range(len(pieces)):
+        delta = choice.add(token_id, None, None)
+        if delta is not None:
+            out.append((delta.text, [t.id for t in delta.tokens], delta.finish_reason))
+        if choice.finish_reason:
+            break
+    return out
+
+
+def test_hold_back_releases_text_with_its_tokens() -> None:
+    # A stop-string prefix is held, then released with its tokens when it does not complete
+    # (a token travels with the first delta that releases any of its text).
+    assert _run_choice(["ab", " E", "N", "X", "yz"], stop=["END"]) == [
+        ("ab", [0], None), (" ", [1], None), ("ENX", [2, 3], None), ("yz", [4], None)]
+    # When it completes, the text stops before it; the tokens still travel with the last delta.
+    assert _run_choice(["ab", " E", "ND", "zz"], stop=["END"]) == [
+        ("ab", [0], None), (" ", [1], None), ("", [2], "stop")]
+    # Tool calls: content streams, whitespace and the markup are held until the end.
+    pieces = ["Sure.", "\n", "<tool_call>", '{"name": "f"}', "</tool_call>"]
+    assert _run_choice(pieces, hold_tool_calls=True, max_tokens=5) == [
+        ("Sure.", [0], None), ('\n<tool_call>{"name": "f"}</tool_call>', [1, 2, 3, 4], "length")]
 
 
 # --------------------------------------------------------------------------- logprobs and token ids
@@ -240,8 +287,8 @@ async def test_greedy_logprobs_are_raw(engine: LocalEngine) -> None:
 
 async def test_completions(engine: LocalEngine, tokenizer: Any) -> None:
     ids = tokenizer("The weather")["input_ids"]
-    body = {"model": "tiny", "prompt": [tokenizer("Hello")["input_ids"], ids], "n": 2, "max_tokens": 6, "seed": 3, "logprobs": 2,
-            "return_token_ids": True}
+    body = {"model": "tiny", "prompt": [tokenizer("Hello")["input_ids"], ids], "n": 2, "max_tokens": 6,
+            "seed": 3, "logprobs": 2, "return_token_ids": True}
     response = await engine.completion(body)
     assert re.match(r"^cmpl-[0-9a-f]+$", response["id"]) and response["object"] == "text_completion"
     choices = response["choices"]
@@ -250,7 +297,8 @@ async def test_completions(engine: LocalEngine, tokenizer: Any) -> None:
     assert choices[0]["prompt_token_ids"] == tokenizer("Hello")["input_ids"]
     for choice in choices:
         lp = choice["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(choice["token_ids"])
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+        assert len(lp["tokens"]) == len(choice["token_ids"])
         assert all(len(top) == 2 for top in lp["top_logprobs"])
         assert "".join(lp["tokens"]) == choice["text"] == tokenizer.decode(choice["token_ids"])
         assert lp["text_offset"][0] == 0
@@ -259,7 +307,8 @@ async def test_completions(engine: LocalEngine, tokenizer: Any) -> None:
                                                     "stream_options": {"include_usage": True}}))
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == response["usage"]
     for choice in choices:
-        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        mine = [c["choices"][0] for c in chunks
+                if c["choices"] and c["choices"][0]["index"] == choice["index"]]
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
         assert mine[-1]["finish_reason"] == choice["finish_reason"]
@@ -302,7 +351,8 @@ async def test_tool_call_stream(tool_engine: LocalEngine) -> None:
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     whole = await tool_engine.chat({**body, "stream": False})
-    assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == whole["choices"][0]["token_ids"]
+    streamed_ids = [i for c in chunks for i in c["choices"][0].get("token_ids", [])]
+    assert streamed_ids == whole["choices"][0]["token_ids"]
 
 
 # --------------------------------------------------------------------------- adapters
@@ -350,6 +400,20 @@ async def test_concurrent_base_and_adapter(engine: LocalEngine, root: Path) -> N
             collect(engine.chat_stream(stream_body)), greedy(engine, "side@1"), greedy(engine, "tiny"))
         assert stream_text(base_chunks) == alone_base == base_again
         assert adapted == ADAPTER_TEXT
+        # Round-robin, one step per job: a short request overtakes a long one already running.
+        finished: list[str] = []
+
+        async def long_base() -> None:
+            await collect(engine.chat_stream({**stream_body, "max_tokens": 150}))
+            finished.append("long base")
+
+        async def short_adapter() -> None:
+            await asyncio.sleep(0.02)  # let the long one start first
+            assert await greedy(engine, "side@1") == ADAPTER_TEXT
+            finished.append("short adapter")
+
+        await asyncio.gather(long_base(), short_adapter())
+        assert finished == ["short adapter", "long base"]
     finally:
         await engine.unload_adapter("side@1")
 

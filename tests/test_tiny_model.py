@@ -104,8 +104,8 @@ def test_chat_template_renders_tools_and_calls(tokenizer: Any) -> None:
     text = _render(tokenizer, messages, tools=WEATHER_TOOLS)
     assert "<tools>\n" + json.dumps(WEATHER_TOOLS[0]) + "\n</tools>" in text
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in text
-    expected_call = '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' \
-                    "\n</tool_call><|im_end|>\n"
+    expected_call = ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", '
+                     '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n')
     assert expected_call in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")

@@ -6,7 +6,6 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -485,8 +485,9 @@ class _Runtime:
             # strip the LoRA layers and serve the plain base model again.
             self.model = self.model.unload()
         else:
-            if name in self.model.active_adapters:  # move off it first: PEFT warns when deleting the active one
-                self.model.set_adapter(next(a for a in sorted(self.adapters) if a != name), inference_mode=True)
+            if name in self.model.active_adapters:  # PEFT warns when deleting the active one: move off it
+                other = next(a for a in sorted(self.adapters) if a != name)
+                self.model.set_adapter(other, inference_mode=True)
             self.model.delete_adapter(name)
         self.adapters.discard(name)
         self._active_adapter = None
@@ -508,7 +509,7 @@ class _Job:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self._sink, event)
 
-    def steps(self) -> Iterator[None]:
+    def steps(self) -> Generator[None, None, None]:
         raise NotImplementedError
 
 
@@ -521,7 +522,7 @@ class _CallJob(_Job):
         self._fn = fn
         self.result: Any = None
 
-    def steps(self) -> Iterator[None]:
+    def steps(self) -> Generator[None, None, None]:
         self.result = self._fn()
         return
         yield  # a generator that finishes on its first step
@@ -545,7 +546,7 @@ class _GenerationJob(_Job):
             generator.manual_seed(self._sampling.seed % (1 << 63))
         return generator
 
-    def steps(self) -> Iterator[None]:
+    def steps(self) -> Generator[None, None, None]:
         runtime, sampling = self._runtime, self._sampling
         generator = self._generator()
         choices = [_Choice(i, sampling, runtime.eos_ids, runtime.vocab.detokenizer())
@@ -577,7 +578,7 @@ class _Worker:
 
     def __init__(self) -> None:
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._active: deque[tuple[_Job, Iterator[None]]] = deque()
+        self._active: deque[tuple[_Job, Generator[None, None, None]]] = deque()
         self._thread = threading.Thread(target=self._run, name="flywheel-local-engine", daemon=True)
 
     def start(self) -> None:
@@ -731,8 +732,8 @@ class LocalEngine:
         device, dtype = self._device_and_dtype()
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
-        except OSError as exc:
+            model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as exc:
             raise UpstreamError(
                 f"model {self.config.model!r} is neither a local directory nor in the Hugging Face cache "
                 f"(nothing is downloaded): {exc}") from exc
@@ -875,7 +876,7 @@ class LocalEngine:
                         result.text = delta.full_text or ""
         return results
 
-    async def _steps(self, request: _Request) -> AsyncIterator[_Step]:
+    async def _steps(self, request: _Request) -> AsyncGenerator[_Step, None]:
         runtime, worker = self._ready()
         run = _Run(runtime, worker, request)
         self._active_requests += 1
@@ -943,12 +944,12 @@ class LocalEngine:
             response["prompt_token_ids"] = request.prompts[0]
         return response
 
-    def chat_stream(self, body: Body) -> AsyncIterator[Chunk]:
+    def chat_stream(self, body: Body) -> AsyncGenerator[Chunk, None]:
         # Validate and tokenise now, so bad requests fail before any chunk exists.
         request = self._chat_request(body)
         return self._chat_chunks(body, request)
 
-    async def _chat_chunks(self, body: Body, request: _Request) -> AsyncIterator[Chunk]:
+    async def _chat_chunks(self, body: Body, request: _Request) -> AsyncGenerator[Chunk, None]:
         sampling = request.sampling
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.get("model")}
@@ -989,7 +990,8 @@ class LocalEngine:
                            piece: Callable[[int, dict[str, Any], list[_Token], str | None], Chunk]
                            ) -> Iterator[Chunk]:
         """The last text, the tool calls (parsed from the held-back tail) and the finish chunk."""
-        text, calls, finish = delta.text, [], delta.finish_reason
+        text, finish = delta.text, delta.finish_reason
+        calls: list[dict[str, Any]] = []
         if request.parse_tools:
             content, calls = parse_tool_calls(delta.text)
             if calls:
@@ -1042,11 +1044,11 @@ class LocalEngine:
                 "model": body.get("model"), "choices": choices,
                 "usage": _usage(prompt_tokens, sum(len(r.token_ids) for r in results))}
 
-    def completion_stream(self, body: Body) -> AsyncIterator[Chunk]:
+    def completion_stream(self, body: Body) -> AsyncGenerator[Chunk, None]:
         request = self._completion_request(body)
         return self._completion_chunks(body, request)
 
-    async def _completion_chunks(self, body: Body, request: _Request) -> AsyncIterator[Chunk]:
+    async def _completion_chunks(self, body: Body, request: _Request) -> AsyncGenerator[Chunk, None]:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.get("model")}
         started: set[int] = set()

@@ -1,0 +1,181 @@
+"""Groups: which trajectories GRPO and RULER compare with each other (DESIGN §5).
+
+Production traffic has one attempt per request, so groups come from four places, each
+labelled with its source in ``groups.source``:
+
+- ``explicit``: closed trajectories carrying the same ``X-Flywheel-Group-Id``;
+- ``task``: closed trajectories with the same task key (system prompt + tools + first
+  user message, or ``X-Flywheel-Task``) created within ``task_window_s`` of each other;
+- ``fork``: the client's turn and the k extra samples the gateway drew for the same
+  context (``X-Flywheel-Fork: k`` or ``fork_fraction``): a single-turn group;
+- ``cohort`` (off by default): same system prompt and tools, different inputs.
+
+A trajectory joins at most one group. Groups smaller than ``min_size`` wait for more
+members (explicit and task) or are dropped (fork); larger ones are cut at ``max_size``,
+oldest first — never padded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlmodel import Session, col, select
+
+from capture.batches import BranchTurn, GroupMember, TrainingGroup
+from capture.canonical import content_text
+from capture.models import Group, Score, Trajectory, Turn, utcnow
+from capture.models import GroupMember as GroupMemberRow
+from capture.turns import new_id
+
+
+@dataclass(frozen=True)
+class GroupingRules:
+    min_size: int = 2
+    max_size: int = 8
+    task_window_s: float = 3600.0
+    cohorts: bool = False
+
+
+def form_groups(session: Session, rules: GroupingRules, now: datetime | None = None) -> list[Group]:
+    """Form every group the store allows now; returns the new groups (committed by the caller)."""
+    now = now or utcnow()
+    formed: list[Group] = _fork_groups(session, rules, now)
+    grouped = set(session.exec(select(GroupMemberRow.trajectory_id).join(
+        Group, col(Group.id) == col(GroupMemberRow.group_id)).where(Group.source != "fork")))
+    closed = [t for t in session.exec(select(Trajectory).where(Trajectory.status == "closed")
+                                      .order_by(col(Trajectory.created_at)))
+              if t.id not in grouped and t.close_reason != "fork"]  # fork siblings live in their fork group
+    explicit = [t for t in closed if t.group_key]
+    formed += _keyed_groups(session, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
+    remaining = [t for t in closed if not t.group_key]
+    formed += _keyed_groups(session, "task", remaining, lambda t: t.task_key, rules, now, window_s=rules.task_window_s)
+    if rules.cohorts:
+        session.flush()
+        taken = set(session.exec(select(GroupMemberRow.trajectory_id)))
+        left = [t for t in remaining if t.id not in taken]
+        formed += _keyed_groups(session, "cohort", left, lambda t: _cohort_key(session, t), rules, now,
+                                window_s=rules.task_window_s)
+    return formed
+
+
+def _keyed_groups(session: Session, source: str, trajectories: list[Trajectory], key_of: object,
+                  rules: GroupingRules, now: datetime, *, window_s: float | None) -> list[Group]:
+    buckets: dict[tuple[str, str], list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        key = key_of(trajectory)  # type: ignore[operator]
+        if key:
+            buckets[(trajectory.alias, key)].append(trajectory)
+    formed = []
+    for (alias, key), members in buckets.items():
+        for window in _windows(members, window_s):
+            if len(window) >= rules.min_size:
+                formed.append(_add_group(session, source, key, alias, window[: rules.max_size], now))
+    return formed
+
+
+def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list[Trajectory]]:
+    """Split time-ordered trajectories into runs whose first and last are within ``window_s``."""
+    if window_s is None:
+        yield members
+        return
+    current: list[Trajectory] = []
+    for trajectory in members:
+        if current and trajectory.created_at - current[0].created_at > timedelta(seconds=window_s):
+            yield current
+            current = []
+        current.append(trajectory)
+    if current:
+        yield current
+
+
+def _fork_groups(session: Session, rules: GroupingRules, now: datetime) -> list[Group]:
+    """One group per forked completion: the client's choice(s) plus the gateway's siblings."""
+    fork_ids = set(session.exec(select(Turn.completion_id).where(Turn.source == "fork")))
+    fork_ids -= set(session.exec(select(Group.key).where(Group.source == "fork")))
+    formed = []
+    for completion_id in sorted(fork_ids):
+        turns = list(session.exec(select(Turn).where(Turn.completion_id == completion_id)
+                                  .order_by(col(Turn.choice_index))))
+        if len(turns) < rules.min_size:
+            continue
+        formed.append(_add_group(session, "fork", completion_id, turns[0].alias, turns[: rules.max_size], now))
+    return formed
+
+
+def _add_group(session: Session, source: str, key: str, alias: str, members: list[Trajectory] | list[Turn],
+               now: datetime) -> Group:
+    group = Group(id=new_id("grp"), source=source, key=key, alias=alias, status="closed", size=len(members),
+                  created_at=now, closed_at=now)
+    session.add(group)
+    for member in members:
+        if isinstance(member, Turn):  # fork: a single turn, possibly inside a longer trajectory
+            session.add(GroupMemberRow(group_id=group.id, trajectory_id=member.trajectory_id,
+                                       leaf_turn_id=member.id, added_at=now))
+        else:
+            session.add(GroupMemberRow(group_id=group.id, trajectory_id=member.id,
+                                       leaf_turn_id=member.latest_turn_id, added_at=now))
+    session.flush()
+    return group
+
+
+def _cohort_key(session: Session, trajectory: Trajectory) -> str | None:
+    first = session.exec(select(Turn).where(Turn.trajectory_id == trajectory.id, Turn.depth == 0)).first()
+    if first is None:
+        return None
+    messages = first.request_messages or []
+    system = next((content_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
+    payload = json.dumps([system, first.tools or []], sort_keys=True)
+    return "cohort_" + hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+# -- reading groups for the judge and the trainer ----------------------------------------------------------
+
+
+def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = False) -> list[Turn]:
+    """The root-to-leaf path ending at ``leaf_turn_id`` (just the leaf for a single-turn member)."""
+    path: list[Turn] = []
+    current = session.get(Turn, leaf_turn_id)
+    while current is not None:
+        path.append(current)
+        if single_turn or current.parent_turn_id is None:
+            break
+        current = session.get(Turn, current.parent_turn_id)
+    return list(reversed(path))
+
+
+def branch_messages(turns: list[Turn]) -> list[dict[str, object]]:
+    """A branch as one OpenAI message list: the last prompt plus the last answer."""
+    last = turns[-1]
+    return [*(last.request_messages or []), last.response_message or {}]
+
+
+def group_rewards(session: Session, group_id: str, source: str = "reward") -> dict[str, float]:
+    """The latest score of each member of a group (``reward``: the combined, final one)."""
+    rows = session.exec(select(Score).where(Score.group_id == group_id, Score.source == source)
+                        .order_by(col(Score.created_at)))
+    return {row.trajectory_id: row.value for row in rows}
+
+
+def training_group(session: Session, group: Group) -> TrainingGroup:
+    """A scored group as the trainer's input: one branch per member, with its reward."""
+    members = list(session.exec(select(GroupMemberRow).where(GroupMemberRow.group_id == group.id)))
+    rewards = group_rewards(session, group.id)
+    out = TrainingGroup(group_id=group.id, source=group.source, alias=group.alias)
+    for member in members:
+        if member.leaf_turn_id is None:
+            continue
+        turns = branch_turns(session, member.leaf_turn_id, single_turn=group.source == "fork")
+        out.members.append(GroupMember(
+            trajectory_id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id,
+            reward=rewards.get(member.trajectory_id, 0.0),
+            turns=[BranchTurn(request_messages=t.request_messages or [], response_message=t.response_message or {},
+                              tools=t.tools, prompt_token_ids=t.prompt_token_ids,
+                              completion_token_ids=t.completion_token_ids,
+                              completion_logprobs=t.completion_logprobs, finish_reason=t.finish_reason,
+                              turn_id=t.id) for t in turns]))
+    return out

@@ -1,0 +1,80 @@
+"""``docs/storage.md`` documents every table and column of the store (datasette's test_docs habit).
+
+Each table has a ``### tablename`` heading followed by a markdown table whose rows start
+with the column name in backticks. A column added to ``capture/models.py`` without a row
+here fails; so does a documented column or table that no longer exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from sqlmodel import SQLModel
+
+import capture.models
+from capture.models import SCHEMA_VERSION
+from gateway.cli_trajectories import trajectories_app
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "storage.md"
+_HEADING = re.compile(r"^### (\S+)\s*$")
+_ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|")
+
+
+def documented_tables(text: str) -> dict[str, list[str]]:
+    """``### name`` headings followed by a table of ``| `column` | ...`` rows."""
+    tables: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("#"):  # any heading ends the previous table's section
+            heading = _HEADING.match(line)
+            current = heading.group(1) if heading else None
+            continue
+        row = _ROW.match(line)
+        if current is not None and row:
+            tables.setdefault(current, []).append(row.group(1))
+    return tables
+
+
+def store_tables() -> dict[str, list[str]]:
+    assert capture.models  # imported for its tables
+    return {name: [c.name for c in table.columns] for name, table in SQLModel.metadata.tables.items()}
+
+
+@pytest.fixture(scope="module")
+def doc() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("table", sorted(store_tables()))
+def test_every_table_and_column_is_documented(doc: str, table: str) -> None:
+    documented = documented_tables(doc)
+    assert table in documented, f"docs/storage.md has no '### {table}' section with a column table"
+    missing = [c for c in store_tables()[table] if c not in documented[table]]
+    assert not missing, f"docs/storage.md: table {table} lacks rows for columns {missing}"
+
+
+def test_nothing_documented_that_does_not_exist(doc: str) -> None:
+    tables = store_tables()
+    for table, columns in documented_tables(doc).items():
+        assert table in tables, f"docs/storage.md documents a table {table!r} the store does not have"
+        stale = [c for c in columns if c not in tables[table]]
+        assert not stale, f"docs/storage.md: {table} documents columns that do not exist: {stale}"
+
+
+def test_every_column_row_says_how_stable_it_is(doc: str) -> None:
+    for line in doc.splitlines():
+        if _ROW.match(line) and line.count("|") >= 5:
+            assert re.search(r"\|\s*(stable|internal)\s*\|", line), f"no stability in: {line}"
+
+
+def test_schema_version_is_the_current_one(doc: str) -> None:
+    assert f"currently **{SCHEMA_VERSION}**" in doc
+
+
+def test_every_cli_command_is_documented_with_an_example(doc: str) -> None:
+    for command in trajectories_app.registered_commands:
+        name = command.name or ""
+        assert f"`{name}" in doc, f"docs/storage.md does not mention `flywheel trajectories {name}`"
+        assert "Example: flywheel trajectories " + name in (command.callback.__doc__ or ""), name
