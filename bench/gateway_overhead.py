@@ -404,7 +404,16 @@ def percentile(values: list[float], q: float) -> float:
 # ALGO LOGIC: the measurements
 # ---------------------------------------------------------------------------------------------
 
-async def measure(targets: list[Target], args: Args) -> None:
+def busy_cpu_seconds() -> float:
+    """CPU time the whole machine has spent busy (all cores, all processes)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+async def measure(targets: list[Target], args: Args) -> float:
+    """Fill in each target's results; returns how many cores other processes kept busy meanwhile."""
+    pids = sorted({pid for t in targets for pid in t.pids})
+    started, machine0, ours0 = time.perf_counter(), busy_cpu_seconds(), cpu_seconds(pids) + time.process_time()
     chat = {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": args.max_tokens}
     stream_chat = {**chat, "stream": True}
@@ -450,6 +459,8 @@ async def measure(targets: list[Target], args: Args) -> None:
     for t in targets:
         for conn in t.connections:
             conn.close()
+    ours = cpu_seconds(pids) + time.process_time() - ours0
+    return max(0.0, busy_cpu_seconds() - machine0 - ours) / (time.perf_counter() - started)
 
 
 def summarize(targets: list[Target], args: Args) -> dict[str, dict[str, Any]]:
@@ -508,7 +519,7 @@ def verdict_line(results: dict[str, dict[str, Any]], name: str) -> str:
 
 
 def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str, Any],
-                 litellm_missing: str | None) -> list[str]:
+                 litellm_missing: str | None, background_cores: float) -> list[str]:
     from rich.console import Console
     from rich.table import Table
 
@@ -516,6 +527,8 @@ def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str,
     console.print(f"\nmachine: {info['cpus']} cores ({info['cpu_model']}), loopback, Python {info['python']}; "
                   f"the load generator runs on the same cores as the servers")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v))
+    console.print(f"background: other processes kept {background_cores:.2f} of {info['cpus']} cores busy during "
+                  f"the measurements{' (noisy: repeat on a quiet machine)' if background_cores > 0.2 else ''}")
 
     latency = Table(title=f"Latency, sequential on one keep-alive connection: {args.requests} chat requests "
                           f"and {args.stream_requests} streaming ones per target (ms)")
@@ -595,17 +608,18 @@ def main() -> None:
         try:
             import uvloop
         except ImportError:
-            asyncio.run(measure(targets, args))
+            background_cores = asyncio.run(measure(targets, args))
         else:
-            uvloop.run(measure(targets, args))
+            background_cores = uvloop.run(measure(targets, args))
 
         results = summarize(targets, args)
         info = machine()
-        verdicts = print_report(results, args, info, litellm_missing)
+        verdicts = print_report(results, args, info, litellm_missing, background_cores)
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"run_name": run_name, "args": dataclasses.asdict(args), "machine": info, "results": results,
-                 "litellm_missing": litellm_missing, "verdicts": verdicts}, indent=2) + "\n")
+                 "background_cores": background_cores, "litellm_missing": litellm_missing,
+                 "verdicts": verdicts}, indent=2) + "\n")
             print(f"results written to {args.json}")
     finally:
         for server in reversed(servers):

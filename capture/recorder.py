@@ -115,6 +115,13 @@ class Recorder:
             await self._write(batch)
         await self.reingest()
 
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until everything submitted so far is written (or spooled), bounded by ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (not self.queue.empty() or self._collecting or self._writing is not None) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     async def _run(self) -> None:
         while True:
             self._collecting.append(await self.queue.get())

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from capture.recorder import Recorder, Spool
 from capture.redaction import Redactor
 from capture.store import Store
-from gateway import admin_api, openai_api, stored_api, trajectories_api
+from gateway import admin_api, feedback_api, openai_api, stored_api, trajectories_api
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.engines.base import Engine
@@ -79,13 +79,16 @@ async def start_gateway(settings: Settings) -> GatewayState:
 
 
 def start_jobs(state: GatewayState) -> AsyncIOScheduler:
-    """Background jobs: re-ingest left-over spool files, close idle trajectories."""
+    """Background jobs: close idle trajectories, form groups from closed ones."""
     scheduler = AsyncIOScheduler()
     store, settings = state.store, state.settings
     if store is not None:
         idle_s = settings.capture.idle_close_s
         scheduler.add_job(asyncio.to_thread, "interval", args=[store.close_idle, idle_s], id="close-idle",
                           seconds=max(1.0, min(60.0, idle_s / 4)), max_instances=1, coalesce=True)
+        scheduler.add_job(asyncio.to_thread, "interval", id="form-groups", seconds=settings.groups.form_every_s,
+                          args=[feedback_api.run_group_formation, store, settings.groups], max_instances=1,
+                          coalesce=True)
     scheduler.start()
     return scheduler
 
@@ -117,6 +120,7 @@ def build_app(settings: Settings) -> FastAPI:
     app.include_router(admin_api.router)
     app.include_router(stored_api.router)
     app.include_router(trajectories_api.router)
+    app.include_router(feedback_api.router)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]

@@ -23,6 +23,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from judge.rewards import RewardPolicy
+from judge.ruler import JudgeConfig
+
 TINY_MODEL = "tiny"  # the model name that means "the tiny model built offline into the data dir"
 
 
@@ -116,6 +119,7 @@ class GroupsConfig(BaseModel):
     cohorts: bool = False  # also group by system prompt + tools alone (weaker signal)
     fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
+    form_every_s: float = Field(default=60.0, gt=0)  # how often closed trajectories are grouped
 
 
 def _default_engines() -> dict[str, EngineConfig]:
@@ -143,6 +147,8 @@ class Settings(BaseSettings):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     groups: GroupsConfig = Field(default_factory=GroupsConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    rewards: RewardPolicy = Field(default_factory=RewardPolicy)
 
     @property
     def database(self) -> str:

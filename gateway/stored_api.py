@@ -52,7 +52,7 @@ def _caller(request: Request) -> tuple[Store, Owner]:
 
 
 def _not_found(completion_id: str) -> NotFound:
-    return NotFound(f"No chat completion found with id '{completion_id}'.", param="completion_id", code="not_found")
+    return NotFound(f"No chat completion found with id '{completion_id}'.", code="not_found")
 
 
 async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:

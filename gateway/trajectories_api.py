@@ -54,7 +54,7 @@ def _admin(request: Request) -> Store:
 
 
 def _not_found(trajectory_id: str) -> NotFound:
-    return NotFound(f"No trajectory found with id '{trajectory_id}'.", param="trajectory_id", code="not_found")
+    return NotFound(f"No trajectory found with id '{trajectory_id}'.", code="not_found")
 
 
 async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -122,9 +122,8 @@ class JudgeCache:
                     "prompt_tokens": result.prompt_tokens if carries_usage else 0,
                     "completion_tokens": result.completion_tokens if carries_usage else 0,
                     "cost_usd": (result.cost_usd if carries_usage else None) if not result.cached else 0.0,
+                    "prompt_version": result.prompt_version,
                 }
-                if "prompt_version" in Score.model_fields:  # once the store records it (see docs/judge.md)
-                    fields["prompt_version"] = result.prompt_version
                 rows.append(Score(**fields))
             session.add_all(rows)
             session.commit()

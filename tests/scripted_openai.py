@@ -40,6 +40,11 @@ class Reply:
     break_after_chunks: int | None = None  # streaming: drop the connection after this many chunks
 
 
+def sample_text(content: str | None, index: int) -> str | None:
+    """The text of choice ``index``: the scripted content, marked for every sample after the first."""
+    return content if index == 0 or content is None else f"{content} (sample {index})"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -90,13 +95,17 @@ class ScriptedOpenAI:
             return Response(orjson.dumps(error), status_code=reply.status, media_type="application/json")
         if body.get("stream"):
             return StreamingResponse(self._chunks(body, reply), media_type="text/event-stream")
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        result = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 1, "model": body["model"],
-                  "choices": [{"index": 0, "message": message, "logprobs": None,
-                               "finish_reason": reply.finish_reason, "token_ids": [1, 2, 3]}],
-                  "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        choices = []
+        for index in range(int(body.get("n") or 1)):  # choice i > 0 says which sample it is
+            message: dict[str, Any] = {"role": "assistant", "content": sample_text(reply.content, index)}
+            if reply.tool_calls:
+                message["tool_calls"] = reply.tool_calls
+            choices.append({"index": index, "message": message, "logprobs": None,
+                            "finish_reason": reply.finish_reason, "token_ids": [1, 2, 3]})
+        result = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 1,
+                  "model": body["model"], "choices": choices,
+                  "usage": {"prompt_tokens": 5, "completion_tokens": 3 * len(choices),
+                            "total_tokens": 5 + 3 * len(choices)},
                   "prompt_token_ids": [7, 7, 7, 7, 7]}
         return Response(orjson.dumps(result), media_type="application/json")
 

@@ -10,6 +10,7 @@ session fixtures in different test modules share one build.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,10 @@ def memorize(model_dir: Path | str, out_dir: Path | str, examples: list[Example]
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        with warnings.catch_warnings():  # peft 0.21 calls a deprecated transformers-5 alias
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                     target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
     batch = _batch(*_encode_examples(tokenizer, examples, tools), pad_id=tokenizer.pad_token_id)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2 if lora else 3e-3, weight_decay=0.0)

@@ -404,7 +404,7 @@ async def test_concurrent_base_and_adapter(engine: LocalEngine, root: Path) -> N
         finished: list[str] = []
 
         async def long_base() -> None:
-            await collect(engine.chat_stream({**stream_body, "max_tokens": 150}))
+            await collect(engine.chat_stream({**stream_body, "max_tokens": 100}))
             finished.append("long base")
 
         async def short_adapter() -> None:

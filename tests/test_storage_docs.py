@@ -22,19 +22,25 @@ _HEADING = re.compile(r"^### (\S+)\s*$")
 _ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|")
 
 
-def documented_tables(text: str) -> dict[str, list[str]]:
-    """``### name`` headings followed by a table of ``| `column` | ...`` rows."""
-    tables: dict[str, list[str]] = {}
+def documented_rows(text: str) -> dict[str, dict[str, str]]:
+    """Table name -> column -> its row, from ``### name`` sections holding a ``| column | ...`` table."""
+    tables: dict[str, dict[str, str]] = {}
     current: str | None = None
+    in_table = False
     for line in text.splitlines():
-        if line.startswith("#"):  # any heading ends the previous table's section
+        if line.startswith("#"):  # any heading ends the previous section
             heading = _HEADING.match(line)
-            current = heading.group(1) if heading else None
-            continue
-        row = _ROW.match(line)
-        if current is not None and row:
-            tables.setdefault(current, []).append(row.group(1))
+            current, in_table = (heading.group(1) if heading else None), False
+        elif current is not None and line.startswith("| column |"):
+            in_table = True
+            tables[current] = {}
+        elif in_table and current is not None and (row := _ROW.match(line)):
+            tables[current][row.group(1)] = line
     return tables
+
+
+def documented_tables(text: str) -> dict[str, list[str]]:
+    return {name: list(rows) for name, rows in documented_rows(text).items()}
 
 
 def store_tables() -> dict[str, list[str]]:
@@ -64,9 +70,11 @@ def test_nothing_documented_that_does_not_exist(doc: str) -> None:
 
 
 def test_every_column_row_says_how_stable_it_is(doc: str) -> None:
-    for line in doc.splitlines():
-        if _ROW.match(line) and line.count("|") >= 5:
-            assert re.search(r"\|\s*(stable|internal)\s*\|", line), f"no stability in: {line}"
+    for table, rows in documented_rows(doc).items():
+        for column, line in rows.items():
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            assert len(cells) == 4 and cells[2] in ("stable", "internal"), f"{table}.{column}: {line}"
+            assert cells[3], f"{table}.{column} says nothing about what it holds"
 
 
 def test_schema_version_is_the_current_one(doc: str) -> None:

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -466,11 +467,14 @@ class _Runtime:
         if name in self.adapters:
             raise BadRequest(f"an adapter named {name!r} is already loaded", param="name")
         try:
-            if not self.adapters:
-                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name,
-                                                       is_trainable=False)
-            else:
-                self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+            with warnings.catch_warnings():
+                # peft 0.21 calls a deprecated transformers-5 alias on every load: not actionable.
+                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+                if not self.adapters:
+                    self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name,
+                                                           is_trainable=False)
+                else:
+                    self.model.load_adapter(path, adapter_name=name, is_trainable=False)
         except Exception as exc:  # peft raises assorted types for incompatible adapters
             raise BadRequest(f"could not load adapter from {path}: {exc}", param="path") from exc
         self.model.eval()
@@ -594,9 +598,18 @@ class _Worker:
     def _run(self) -> None:
         while self._admit(block=not self._active):
             self._step()
+        # Shutting down: fail whatever is running or still queued, so no caller waits forever.
+        stopping = UpstreamError("the local engine is shutting down")
         for job, steps in self._active:
             steps.close()
-            job.emit(_Failed(job.index, UpstreamError("the local engine is shutting down")))
+            job.emit(_Failed(job.index, stopping))
+        while True:
+            try:
+                queued = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if queued is not None:
+                queued.emit(_Failed(queued.index, stopping))
 
     def _admit(self, *, block: bool) -> bool:
         """Move submitted jobs to the active ring; False once asked to stop."""

@@ -1,0 +1,135 @@
+"""Client feedback, and the admin jobs that turn traffic into scored groups.
+
+``POST /flywheel/v1/feedback`` (client key) names a trajectory by its id or by the ``id``
+of any chat completion in it (which every client already has), with a reward and/or a
+label (``good``/``bad``) and an optional comment. Feedback closes the trajectory: the
+client has said how it went. ``POST /flywheel/v1/jobs/groups`` and
+``POST /flywheel/v1/jobs/score`` (admin) run group formation and the scoring job now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, model_validator
+from sqlmodel import Session, col, select
+from starlette.responses import Response
+
+from capture.groups import GroupingRules, form_groups
+from capture.models import Feedback, Trajectory, Turn
+from capture.store import Store
+from capture.turns import new_id
+from gateway.config import GroupsConfig
+from gateway.errors import BadRequest, NotFound, UpstreamError
+from gateway.protocol import parse_json_object, validate_request
+from gateway.state import GatewayState
+from judge.rewards import InvalidFeedbackError, feedback_reward
+from judge.scoring import score_pending
+
+router = APIRouter(prefix="/flywheel/v1")
+
+class FeedbackRequest(BaseModel):
+    trajectory_id: str | None = None
+    completion_id: str | None = None
+    reward: float | None = None
+    label: str | None = None
+    comment: str | None = Field(default=None, max_length=10_000)
+
+    @model_validator(mode="after")
+    def _names_a_trajectory(self) -> FeedbackRequest:
+        if not (self.trajectory_id or self.completion_id):
+            raise ValueError("give trajectory_id or completion_id")
+        return self
+
+
+def _store(state: GatewayState) -> Store:
+    if state.store is None:
+        raise UpstreamError("this gateway runs without a store")
+    return state.store
+
+
+def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
+                     client_key_id: str | None) -> str | None:
+    with store.session() as session:
+        if trajectory_id:
+            found = session.get(Trajectory, trajectory_id)
+            ok = found is not None and (client_key_id is None or found.client_key_id == client_key_id)
+            return trajectory_id if ok else None
+        query = select(Turn.trajectory_id).where(Turn.completion_id == completion_id, Turn.source != "fork")
+        if client_key_id is not None:
+            query = query.where(col(Turn.client_key_id) == client_key_id)
+        return session.exec(query.limit(1)).first()
+
+
+def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest, client_key_id: str | None) -> str:
+    feedback_id = new_id("fb")
+    with store.session() as session:
+        session.add(Feedback(id=feedback_id, trajectory_id=trajectory_id, completion_id=request.completion_id,
+                             reward=request.reward, label=request.label, comment=request.comment,
+                             client_key_id=client_key_id))
+        session.commit()
+    store.close_trajectory(trajectory_id, reason="feedback")
+    return feedback_id
+
+
+@router.post("/feedback")
+async def post_feedback(request: Request) -> Response:
+    state = GatewayState.of(request)
+    key_id = state.auth.client(request)
+    body = parse_json_object(await request.body())
+    validate_request(FeedbackRequest, body)
+    feedback = FeedbackRequest.model_validate(body)
+    try:
+        reward = feedback_reward(feedback.reward, feedback.label)
+    except InvalidFeedbackError as exc:
+        raise BadRequest(f"Invalid feedback: {exc}", param="label" if feedback.label else "reward") from None
+    store = _store(state)
+    await _flush(state)  # a completion answered a moment ago may still sit in the recorder's batch
+    trajectory_id = await asyncio.to_thread(_find_trajectory, store, feedback.trajectory_id, feedback.completion_id,
+                                            key_id)
+    if trajectory_id is None:
+        param = "trajectory_id" if feedback.trajectory_id else "completion_id"
+        raise NotFound(f"No captured trajectory for {param} '{body[param]}'.", param=param, code="not_found")
+    feedback_id = await asyncio.to_thread(_record_feedback, store, trajectory_id, feedback, key_id)
+    return Response(orjson.dumps({"id": feedback_id, "object": "flywheel.feedback", "trajectory_id": trajectory_id,
+                                  "reward": reward}), media_type="application/json")
+
+
+async def _flush(state: GatewayState) -> None:
+    if state.recorder is not None:
+        await state.recorder.flush()
+
+
+def grouping_rules(config: GroupsConfig) -> GroupingRules:
+    return GroupingRules(min_size=config.min_size, max_size=config.max_size, task_window_s=config.task_window_s,
+                         cohorts=config.cohorts)
+
+
+def run_group_formation(store: Store, config: GroupsConfig) -> list[dict[str, Any]]:
+    """Form the groups the store allows now; the new groups as dicts."""
+    with Session(store.engine, expire_on_commit=False) as session:
+        groups = form_groups(session, grouping_rules(config))
+        session.commit()
+    return [{"id": g.id, "source": g.source, "key": g.key, "alias": g.alias, "size": g.size} for g in groups]
+
+
+@router.post("/jobs/groups")
+async def form_groups_now(request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    await _flush(state)
+    formed = await asyncio.to_thread(run_group_formation, _store(state), state.settings.groups)
+    return Response(orjson.dumps({"formed": formed}), media_type="application/json")
+
+
+@router.post("/jobs/score")
+async def score_now(request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    alias = request.query_params.get("alias")
+    summary = await score_pending(_store(state).engine, state.settings.judge, state.settings.rewards, alias=alias)
+    return Response(orjson.dumps(asdict(summary)), media_type="application/json")

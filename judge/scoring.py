@@ -1,0 +1,137 @@
+"""The scoring job: every closed, unscored group gets RULER scores and final rewards.
+
+For each group (in parallel up to ``max_concurrency`` judge calls): its members become
+trajectories (one branch each), RULER scores them relative to each other (cached in the
+store), the latest client feedback of each member is combined with the judge's score
+under the reward policy, and one ``scores`` row with ``source = "reward"`` per member
+records the final reward the trainer uses (``explanation`` starts with where it came
+from). The group's status becomes ``scored``. A group whose judge call fails after its
+retries stays ``closed`` and is tried again by the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
+
+from capture.groups import branch_messages, branch_turns
+from capture.models import Feedback, Group, Score, utcnow
+from capture.models import GroupMember as GroupMemberRow
+from capture.trajectory import Trajectory, TrajectoryGroup
+from capture.turns import new_id
+from judge.cache import JudgeCache
+from judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
+from judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
+from judge.ruler import JudgeConfig, ruler_score_group
+
+log = logging.getLogger("flywheel.scoring")
+
+
+@dataclass
+class ScoringSummary:
+    groups: int = 0
+    scored: int = 0
+    failed: int = 0
+    trajectories: int = 0
+    seconds: float = 0.0
+    failed_group_ids: list[str] = field(default_factory=list)
+
+
+def pending_groups(engine: Engine, alias: str | None = None, limit: int | None = None) -> list[Group]:
+    """Closed groups with no final rewards yet, oldest first."""
+    with Session(engine) as session:
+        query = select(Group).where(Group.status == "closed").order_by(col(Group.created_at))
+        if alias is not None:
+            query = query.where(Group.alias == alias)
+        if limit is not None:
+            query = query.limit(limit)
+        return list(session.exec(query))
+
+
+def group_for_judge(engine: Engine, group: Group) -> tuple[TrajectoryGroup, dict[str, float], str | None]:
+    """The group as trajectories, the members' latest feedback rewards, and the task key (for the rubric)."""
+    with Session(engine) as session:
+        members = list(session.exec(select(GroupMemberRow).where(GroupMemberRow.group_id == group.id)))
+        trajectories = []
+        task = None
+        for member in members:
+            if member.leaf_turn_id is None:
+                continue
+            turns = branch_turns(session, member.leaf_turn_id, single_turn=group.source == "fork")
+            task = task or turns[0].task_key
+            trajectories.append(Trajectory(messages_and_choices=branch_messages(turns), tools=turns[-1].tools,
+                                           id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id))
+        feedback: dict[str, float] = {}
+        ids = [m.trajectory_id for m in members]
+        for row in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(ids))
+                                .order_by(col(Feedback.created_at))):
+            try:
+                feedback[row.trajectory_id] = feedback_reward(row.reward, row.label)
+            except InvalidFeedbackError:
+                continue  # validated on the way in; an old bad row is not worth failing the group
+    return TrajectoryGroup(trajectories=trajectories, id=group.id), feedback, task
+
+
+async def score_group(engine: Engine, group: Group, config: JudgeConfig, policy: RewardPolicy,
+                      semaphore: asyncio.Semaphore, cache: JudgeCache) -> bool:
+    """Judge one group and store its final rewards; False when the judge failed."""
+    trajectories, feedback, task = await asyncio.to_thread(group_for_judge, engine, group)
+    rubric = resolve_rubric(config.rubrics, group.alias, task)
+    scored = await ruler_score_group(trajectories, config.model, rubric=rubric, swallow_exceptions=True,
+                                     cache=cache, semaphore=semaphore, **config.call_kwargs())
+    if scored is None:
+        return False
+    final = apply_rewards(scored, feedback, policy)
+    await asyncio.to_thread(_store_rewards, engine, group.id, final, config.model, rubric_hash(rubric))
+    return True
+
+
+def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str, rubric: str) -> None:
+    with Session(engine) as session:
+        for trajectory in group.trajectories:
+            source = trajectory.metadata.get("reward_source")
+            if source is None or trajectory.id is None:
+                continue
+            explanation = (trajectory.metadata.get("ruler") or {}).get("explanation", "")
+            session.add(Score(id=new_id("score"), trajectory_id=trajectory.id, group_id=group_id, source="reward",
+                              value=trajectory.reward, explanation=f"{source}: {explanation}",
+                              judge_model=judge_model, rubric_hash=rubric, prompt_version=PROMPT_VERSION))
+        row = session.get(Group, group_id)
+        if row is not None:
+            row.status = "scored"
+            session.add(row)
+        session.commit()
+
+
+async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolicy, *, alias: str | None = None,
+                        limit: int | None = None,
+                        on_group_done: Callable[[Group, bool], None] | None = None) -> ScoringSummary:
+    """Score every closed, unscored group (optionally of one alias), ``max_concurrency`` calls at a time."""
+    started = time.perf_counter()
+    groups = await asyncio.to_thread(pending_groups, engine, alias, limit)
+    summary = ScoringSummary(groups=len(groups))
+    semaphore = asyncio.Semaphore(config.max_concurrency)
+    cache = JudgeCache(engine)
+
+    async def one(group: Group) -> None:
+        ok = await score_group(engine, group, config, policy, semaphore, cache)
+        if ok:
+            summary.scored += 1
+            summary.trajectories += group.size
+        else:
+            summary.failed += 1
+            summary.failed_group_ids.append(group.id)
+        if on_group_done is not None:
+            on_group_done(group, ok)
+
+    await asyncio.gather(*(one(g) for g in groups))
+    summary.seconds = time.perf_counter() - started
+    log.info("scored %d/%d groups (%d failed) in %.1f s at %s", summary.scored, summary.groups, summary.failed,
+             summary.seconds, utcnow().isoformat(timespec="seconds"))
+    return summary

@@ -1,0 +1,159 @@
+"""Groups, feedback and the scoring job through a real gateway, a scripted upstream and a scripted judge."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sqlmodel import select
+
+from capture.groups import training_group
+from capture.models import Group, Score
+from capture.store import Store
+from tests.gateway_process import GatewayProcess
+from tests.scripted_judge import ScriptedJudge
+from tests.scripted_openai import Reply, ScriptedOpenAI
+
+ADMIN = {"authorization": "Bearer admin"}
+
+
+def answer(body: dict[str, Any]) -> Reply:
+    """Questions about 'good' things get a good answer, others a bad one (the judge counts 'good')."""
+    text = body["messages"][-1]["content"]
+    return Reply(content="good good answer" if "good" in text else "bad answer")
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[ScriptedOpenAI, ScriptedJudge]]:
+    with ScriptedOpenAI(reply=answer) as upstream, ScriptedJudge(target=("good", "sample")) as judge:
+        yield upstream, judge
+
+
+def start(tmp: Path, upstream: ScriptedOpenAI, judge: ScriptedJudge, extra: str = "") -> GatewayProcess:
+    return GatewayProcess(tmp, f"""
+[engines.up]
+base_url = "{upstream.base_url}"
+[aliases.agent]
+engine = "up"
+base_model = "scripted"
+[auth]
+admin_key = "admin"
+[judge]
+model = "openai/judge"
+api_base = "{judge.base_url}"
+api_key = "unused"
+max_retries = 0
+[groups]
+form_every_s = 3600
+{extra}
+""").start()
+
+
+def read_store(gateway: GatewayProcess) -> Store:
+    gateway.stop()
+    return Store(gateway.dir / "data" / "flywheel.duckdb")
+
+
+def test_forked_turn_becomes_a_scored_single_turn_group(tmp_path: Path,
+                                                        servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "say something"}],
+                                           extra_headers={"X-Flywheel-Fork": "2"})
+    assert [c.index for c in reply.choices] == [0]  # the client's reply is what it asked for
+    assert reply.choices[0].message.content == "bad answer"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3  # its own tokens, not the siblings'
+    assert upstream.requests[-1]["n"] == 3
+    formed = httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]
+    assert [(g["source"], g["size"]) for g in formed] == [("fork", 3)]
+    summary = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
+    assert (summary["scored"], summary["failed"]) == (1, 0)
+    assert len(judge.requests) == 1
+    store = read_store(gateway)
+    with store.session() as session:
+        group = session.exec(select(Group)).one()
+        assert group.status == "scored"
+        batch = training_group(session, group)
+    assert [len(m.turns) for m in batch.members] == [1, 1, 1]
+    assert sorted(m.reward for m in batch.members) == [0.0, 0.5, 0.5]  # the judge counts "good" and "sample"
+    assert {m.turns[0].response_message["content"] for m in batch.members} == {
+        "bad answer", "bad answer (sample 1)", "bad answer (sample 2)"}
+
+
+def test_explicit_group_feedback_and_policy(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    ids = []
+    for question in ("tell me something good", "tell me something", "something good please"):
+        reply = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": question}],
+                                               extra_headers={"X-Flywheel-Group-Id": "run-1"})
+        ids.append(reply.id)
+    # Feedback by completion id (what every client has) overrides the judge for that member.
+    response = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": ids[0], "label": "bad"})
+    assert response.status_code == 200, response.text
+    first_trajectory = response.json()["trajectory_id"]
+    for completion_id in ids[1:]:  # the others are closed by the client without feedback
+        trajectory = httpx.post(f"{gateway.url}/flywheel/v1/feedback",
+                                json={"completion_id": completion_id, "reward": 0.25}).json()["trajectory_id"]
+        assert trajectory != first_trajectory
+    bad = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": ids[0], "label": "meh"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "label"
+    unknown = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": "chatcmpl-nope", "reward": 1})
+    assert unknown.status_code == 404
+    formed = httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]
+    assert [(g["source"], g["key"], g["size"]) for g in formed] == [("explicit", "run-1", 3)]
+    assert httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()["scored"] == 1
+    store = read_store(gateway)
+    with store.session() as session:
+        finals = {s.trajectory_id: (s.value, s.explanation.split(":")[0])  # type: ignore[union-attr]
+                  for s in session.exec(select(Score).where(Score.source == "reward"))}
+        judged = list(session.exec(select(Score).where(Score.source == "ruler")))
+    assert finals[first_trajectory] == (0.0, "feedback")  # feedback_overrides: "bad" beats the judge's 0.67
+    assert sorted(v for v, _ in finals.values()) == [0.0, 0.25, 0.25]
+    assert len(judged) == 3 and all(s.prompt_version and s.rubric_hash for s in judged)
+
+
+def test_weighted_policy_and_same_task_groups(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge, """
+[rewards]
+policy = "weighted"
+judge_weight = 0.5
+feedback_weight = 0.5
+""")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    system = {"role": "system", "content": "You answer questions."}
+    completions = []
+    for _ in range(2):  # the same task twice: same system prompt and first user message
+        reply = client.chat.completions.create(model="gpt-4o", messages=[system, {"role": "user", "content": "good?"}])
+        completions.append(reply.id)
+    for completion_id, reward in zip(completions, (1.0, 0.0), strict=True):
+        httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": completion_id, "reward": reward})
+    formed = httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]
+    assert [(g["source"], g["size"]) for g in formed] == [("task", 2)]
+    assert httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()["scored"] == 1
+    store = read_store(gateway)
+    with store.session() as session:
+        finals = sorted(s.value for s in session.exec(select(Score).where(Score.source == "reward")))
+    judge_score = 3 / 4  # identical attempts are judged once, whole: "good?" + "good good answer" = 3 "good"
+    assert finals == pytest.approx([0.5 * judge_score, 0.5 * judge_score + 0.5])
+
+
+def test_failed_judge_leaves_the_group_unscored(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    judge.faults.append("http500")
+    gateway = start(tmp_path, upstream, judge)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}],
+                                   extra_headers={"X-Flywheel-Fork": "1"})
+    httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN)
+    first = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
+    assert (first["scored"], first["failed"]) == (0, 1)
+    second = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
+    assert (second["scored"], second["failed"]) == (1, 0)  # tried again, the judge behaves now
