@@ -50,7 +50,9 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
     closed = [t for t in session.exec(select(Trajectory).where(Trajectory.status == "closed")
                                       .order_by(col(Trajectory.created_at)))
               if t.id not in grouped and t.close_reason != "fork"]  # fork siblings live in their fork group
-    explicit = [t for t in closed if t.group_key]
+    still_open = set(session.exec(select(Trajectory.group_key).where(Trajectory.status == "open",
+                                                                     col(Trajectory.group_key).is_not(None))))
+    explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
     formed += _keyed_groups(session, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
     remaining = [t for t in closed if not t.group_key]
     formed += _keyed_groups(session, "task", remaining, lambda t: t.task_key, rules, now, window_s=rules.task_window_s)

@@ -212,7 +212,7 @@ patterns = ["SECRET-[0-9]+"]
     assert reply.choices[0].message.content == f"echo {private}"  # the client gets the original text
     client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "do not keep me"}],
                                    extra_headers={"X-Flywheel-Capture": "off"})
-    trajectories, turns = stored(gateway)
+    _, turns = stored(gateway)
     assert len(turns) == 1
     kept = json.dumps([turns[0].request_messages, turns[0].response_message])
     for secret in ("ann@example.com", "555", "sk-abc", "SECRET-42"):
