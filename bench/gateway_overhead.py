@@ -1,8 +1,8 @@
 """How much latency and CPU the Flywheel gateway adds in front of an upstream, next to LiteLLM.
 
-    python -m bench.gateway_overhead                          # ~2 min; table + verdict
+    python -m bench.gateway_overhead                          # 3-4 min on 2 cores; tables + verdict
     python -m bench.gateway_overhead --json gateway_overhead.json
-    python -m bench.gateway_overhead --no-litellm --requests 300 --duration-s 2   # quick look
+    python -m bench.gateway_overhead --no-litellm --requests 300 --stream-requests 100 --duration-s 1  # quick look
 
 Needs the ``[bench]`` extra for the LiteLLM column (``pip install -e '.[bench]'``); without
 it the other numbers are still reported, with the reason LiteLLM is missing.
@@ -10,20 +10,25 @@ it the other numbers are still reported, with the reason LiteLLM is missing.
 It starts three processes on free loopback ports, stopped by their handles at the end:
 the fast mock upstream (``bench/mock_openai_server.py``), the Flywheel gateway
 (``python -m gateway serve``) pointed at it, and the LiteLLM proxy (one worker) pointed at
-it. Then, for each target (the mock directly, through Flywheel, through LiteLLM), with the
-same chat request:
+it. Then, for each target (the mock directly; through Flywheel; through Flywheel with
+``X-Flywheel-Capture: off``, which isolates the proxy from the capture path; through
+LiteLLM), with the same chat request:
 
 1. sequential non-stream requests on one keep-alive connection: p50 / p99 latency, and what
    the gateway adds over going direct (p50 / p99 difference and ratio); the targets take
    turns in rounds, so background noise lands on all of them alike;
 2. throughput (req/s) with 1, 16 and 64 concurrent connections, each for a fixed time;
 3. sequential streaming requests: time to the first body chunk (p50) and what it adds;
-4. the server processes' CPU time per sequential request (``/proc`` via psutil).
+4. the server process's CPU time per request (``/proc`` via psutil), including work it
+   defers past the response (capture writes): after every segment the script waits until
+   the servers are idle again, so one target's leftovers never land on the next one.
 
-The load generator is a raw HTTP/1.1 client (asyncio + httptools on uvloop, ~5x cheaper
-per request than ``httpx.AsyncClient``), but it still shares the machine's cores with the
-servers: on a 2-core machine the throughput columns measure the whole system, not the
-gateway alone. Latency differences at concurrency 1 are the clean number.
+The load generator is a raw HTTP/1.1 client (asyncio + httptools on uvloop: ~0.05 ms of
+CPU per request, where ``httpx.AsyncClient`` takes ~1 ms), but it still shares the
+machine's cores with the servers: on a 2-core machine the throughput columns measure the
+whole system, not the gateway alone. Latency differences at concurrency 1 and CPU per
+request are the clean numbers. The report says how busy other processes kept the
+machine meanwhile; repeat the run when that is high.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import platform
@@ -63,7 +69,7 @@ NO_CAPTURE = "flywheel, capture off"  # the same gateway, asked per request not 
 class Args:
     requests: int = 1000
     """sequential non-stream requests per target (after warm-up): the p50/p99 latency sample"""
-    stream_requests: int = 500
+    stream_requests: int = 300
     """sequential streaming requests per target: the time-to-first-chunk sample"""
     warmup: int = 200
     """requests per target before anything is measured (connection pools, caches)"""
@@ -71,7 +77,7 @@ class Args:
     """the sequential samples are taken in this many rounds, targets taking turns"""
     concurrency: tuple[int, ...] = (1, 16, 64)
     """concurrent connections for the throughput runs"""
-    duration_s: float = 4.0
+    duration_s: float = 3.0
     """how long each throughput run lasts (after 0.5 s of unmeasured warm-up)"""
     max_tokens: int = 16
     """max_tokens in the benchmark request (the mock always answers five tokens)"""
@@ -92,7 +98,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             docs[node.target.id] = str(after.value.value)

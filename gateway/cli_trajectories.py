@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Protocol
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -142,10 +143,10 @@ class ApiBackend:
         return found
 
     def detail(self, trajectory_id: str) -> dict[str, Any] | None:
-        return self._call("GET", f"/trajectories/{trajectory_id}")
+        return self._call("GET", f"/trajectories/{quote(trajectory_id, safe='')}")
 
     def delete(self, trajectory_id: str) -> dict[str, Any] | None:
-        return self._call("DELETE", f"/trajectories/{trajectory_id}")
+        return self._call("DELETE", f"/trajectories/{quote(trajectory_id, safe='')}")
 
     def delete_client(self, client_key_id: str) -> dict[str, Any]:
         found = self._call("DELETE", "/trajectories", {"client_key_id": client_key_id})
@@ -328,6 +329,10 @@ def _when(text: str | None) -> str:
     return datetime.fromisoformat(text).strftime("%Y-%m-%d %H:%M:%S") if text else "-"
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _reward(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -350,16 +355,18 @@ def list_command(config: ConfigOption = None, gateway: GatewayOption = None, adm
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("ID", "ALIAS", "STATUS", "TURNS", "BRANCHES", "REWARD", "CREATED (UTC)"):
-        table.add_column(name, no_wrap=True, justify="right" if name in ("TURNS", "BRANCHES", "REWARD") else "left")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    longest = max((len(t["id"]) for t in page["data"]), default=2)
+    table.add_column("ID", no_wrap=True, min_width=longest)  # ids are copied from here: never cut them
+    for name in ("ALIAS", "STATUS", "TURNS", "BRANCHES", "REWARD", "CREATED (UTC)"):
+        table.add_column(name, justify="right" if name in ("TURNS", "BRANCHES", "REWARD") else "left")
     for t in page["data"]:
         table.add_row(t["id"], t["alias"], t["status"], str(t["turn_count"]), str(t["branch_count"]),
                       _reward(t["reward"]), _when(t["created_at"]))
     console = _console()
     console.print(table)
-    console.print(f"{len(page['data'])} trajectories" + (f"; more with --after {page['last_id']}"
-                                                           if page["has_more"] else ""))
+    console.print(_count(len(page["data"]), "trajectory", "trajectories")
+                  + (f"; more with --after {page['last_id']}" if page["has_more"] else ""))
 
 
 @trajectories_app.command("show")
@@ -387,9 +394,11 @@ def show_command(trajectory_id: Annotated[str, typer.Argument(help="The trajecto
                          ("client key", detail["client_key_id"] or "-"), ("task", detail["task_key"] or "-"),
                          ("group", detail["group_key"] or "-"), ("reward", _reward(detail["reward"]))):
         console.print(f"  {label:<11}{value}")
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    longest = max((len(t["id"]) for t in detail["turns"]), default=4)
     for name in ("#", "TURN", "PARENT", "MODEL", "FINISH", "ANSWER"):
-        table.add_column(name, no_wrap=name != "ANSWER", overflow="fold")
+        ids = name in ("TURN", "PARENT")
+        table.add_column(name, no_wrap=ids, min_width=longest if ids else None, overflow="fold")
     for number, turn in enumerate(detail["turns"], 1):
         table.add_row(str(number), turn["id"], turn["parent_turn_id"] or "-", turn["requested_model"],
                       turn["finish_reason"] or "-", _answer(turn["response_message"]))
@@ -437,11 +446,13 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
         with progress:
             if fmt == "parquet":
                 result = backend.parquet(out, filters, ids, progress)
-                summary = (f"exported {result.trajectories} trajectories ({result.turns} turns) as parquet to "
-                           f"{result.trajectories_path} and {result.turns_path}")
+                summary = (f"exported {_count(result.trajectories, 'trajectory', 'trajectories')} "
+                           f"({_count(result.turns, 'turn', 'turns')}) as parquet to {result.trajectories_path} "
+                           f"and {result.turns_path}")
             else:
                 lines = _write_jsonl(backend, ids, out, fmt, progress)
-                summary = f"exported {len(ids)} trajectories ({lines} branches) as {fmt} to {out}"
+                summary = (f"exported {_count(len(ids), 'trajectory', 'trajectories')} "
+                           f"({_count(lines, 'branch', 'branches')}) as {fmt} to {out}")
     typer.echo(summary)
 
 
@@ -489,5 +500,6 @@ def delete_command(trajectory_id: Annotated[str | None, typer.Argument(help="The
             assert client_key_id is not None
             found = backend.delete_client(client_key_id)
     rows = found["rows"]
-    typer.echo(f"deleted {what}: {rows['trajectories']} trajectories, {rows['turns']} turns, "
-               f"{rows['scores']} scores, {rows['feedback']} feedback, {rows['group_members']} group memberships")
+    typer.echo(f"deleted {what}: " + ", ".join(_count(rows[key], one, many) for key, one, many in (
+        ("trajectories", "trajectory", "trajectories"), ("turns", "turn", "turns"), ("scores", "score", "scores"),
+        ("feedback", "feedback", "feedback"), ("group_members", "group membership", "group memberships"))))

@@ -8,7 +8,9 @@
     GET    /flywheel/v1/trajectories/{id}/export        format=openai|art: JSON Lines, one line per branch
     POST   /flywheel/v1/trajectories/{id}/close         client key, not admin: "this conversation is done"
 
-All but ``close`` need the admin key. ``close`` takes the client key that made the
+Trajectory ids are the client's own when it named them (``X-Flywheel-Trajectory-Id``), so they
+may hold ``/``: the routes take the id as a path, and ``/export`` and ``/close`` are matched
+first. All but ``close`` need the admin key. ``close`` takes the client key that made the
 trajectory (any caller when no client keys are configured); a trajectory of another key
 is reported as not found.
 """
@@ -92,25 +94,7 @@ async def delete_client_trajectories(request: Request) -> Response:
                   "rows": counts.to_json()})
 
 
-@router.get("/trajectories/{trajectory_id}")
-async def show_trajectory(trajectory_id: str, request: Request) -> Response:
-    store = _admin(request)
-    detail = await _run(queries.trajectory_detail, store, trajectory_id)
-    if detail is None:
-        raise _not_found(trajectory_id)
-    return _json(detail)
-
-
-@router.delete("/trajectories/{trajectory_id}")
-async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
-    store = _admin(request)
-    counts = await _run(queries.delete_trajectory, store, trajectory_id)
-    if counts is None:
-        raise _not_found(trajectory_id)
-    return _json({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True, "rows": counts.to_json()})
-
-
-@router.get("/trajectories/{trajectory_id}/export")
+@router.get("/trajectories/{trajectory_id:path}/export")
 async def export_trajectory(trajectory_id: str, request: Request) -> Response:
     store = _admin(request)
     fmt = request.query_params.get("format", "openai")
@@ -125,7 +109,7 @@ async def export_trajectory(trajectory_id: str, request: Request) -> Response:
     return Response(body.encode(), media_type="application/x-ndjson")
 
 
-@router.post("/trajectories/{trajectory_id}/close")
+@router.post("/trajectories/{trajectory_id:path}/close")
 async def close_trajectory(trajectory_id: str, request: Request) -> Response:
     """The client says the conversation is over: it will be scored and trained on."""
     state = GatewayState.of(request)
@@ -143,3 +127,21 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
         raise _not_found(trajectory_id)  # another key's trajectory is not even admitted to exist
     await asyncio.to_thread(store.close_trajectory, trajectory_id, reason)
     return _json(await _run(queries.get_trajectory, store, trajectory_id))
+
+
+@router.get("/trajectories/{trajectory_id:path}")
+async def show_trajectory(trajectory_id: str, request: Request) -> Response:
+    store = _admin(request)
+    detail = await _run(queries.trajectory_detail, store, trajectory_id)
+    if detail is None:
+        raise _not_found(trajectory_id)
+    return _json(detail)
+
+
+@router.delete("/trajectories/{trajectory_id:path}")
+async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
+    store = _admin(request)
+    counts = await _run(queries.delete_trajectory, store, trajectory_id)
+    if counts is None:
+        raise _not_found(trajectory_id)
+    return _json({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True, "rows": counts.to_json()})

@@ -21,8 +21,10 @@ import duckdb
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
 from capture.trajectory import Trajectory
+from gateway.cli import app
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI, free_port
 from tests.test_stored_completions import gateway_config, scripted_reply, wait_until
@@ -44,7 +46,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
 
 @pytest.fixture(scope="module")
 def made(gateway: GatewayProcess) -> dict[str, Any]:
-    """``trip-1``: a tool-using exchange of two turns; ``chat-2``: one plain turn."""
+    """``trip-1``: a tool-using exchange of two turns; ``chat/2``: one plain turn."""
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0)
     trip = {"X-Flywheel-Trajectory-Id": "trip-1"}
     ask = [SYSTEM, {"role": "user", "content": "weather in Oslo?"}]
@@ -52,8 +54,8 @@ def made(gateway: GatewayProcess) -> dict[str, Any]:
     follow = [*ask, {"role": "assistant", "content": None, "tool_calls": [CALL]},
               {"role": "tool", "tool_call_id": "call_1", "content": "grey"}]
     client.chat.completions.create(model="gpt-4o", messages=follow, tools=[TOOL], extra_headers=trip)  # type: ignore
-    client.chat.completions.create(model="gpt-4o", messages=[SYSTEM, {"role": "user", "content": "hello"}],
-                                   extra_headers={"X-Flywheel-Trajectory-Id": "chat-2"})
+    client.chat.completions.create(model="gpt-4o", messages=[SYSTEM, {"role": "user", "content": "hello"}],  # type: ignore
+                                   extra_headers={"X-Flywheel-Trajectory-Id": "chat/2"})
     admin = {"authorization": f"Bearer {ADMIN}"}
 
     def listed() -> dict[str, Any] | None:
@@ -88,10 +90,19 @@ def flywheel_all(*calls: tuple[list[str | Path], dict[str, str] | None]) -> list
     return out
 
 
+def invoke(*args: str | Path, env: dict[str, str] | None = None) -> Any:
+    """The same commands in-process (typer's runner): as quick as a function call."""
+    return CliRunner().invoke(app, ["trajectories", *map(str, args)], env=env)
+
+
 def assert_bad_input(result: subprocess.CompletedProcess[str], says: str) -> None:
     assert result.returncode == 2, (result.args, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (result.args, result.stderr)
+
+
+def rows(sql: str) -> list[Any]:
+    return duckdb.execute(sql).fetchall()
 
 
 def expected_openai_lines(made: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,53 +115,79 @@ def expected_openai_lines(made: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- through the running gateway -------------------------------------------------------------------------------
 
-def test_exports_through_the_gateway(gateway: GatewayProcess, made: dict[str, Any], tmp_path: Path) -> None:
-    target = ["--config", gateway.config_file, "--gateway", gateway.url]  # the admin key comes from the config
-    as_openai, as_art, as_parquet, listed = flywheel_all(
-        (["export", "--format", "openai", "--out", tmp_path / "train.jsonl", *target], None),
-        (["export", "--format", "art", "--out", tmp_path / "art.jsonl", "--alias", "agent", *target], None),
-        (["export", "--format", "parquet", "--out", tmp_path / "pq", *target], None),
-        (["list", "--json", *target], None))
-    assert as_openai.returncode == 0, as_openai.stderr
-    assert as_openai.stdout == f"exported 2 trajectories (2 branches) as openai to {tmp_path / 'train.jsonl'}\n"
-    lines = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def through_gateway(gateway: GatewayProcess, made: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+                    ) -> dict[str, Any]:
+    """CLI runs against the running gateway: two real subprocesses (at once), the rest in-process."""
+    out = tmp_path_factory.mktemp("exports")
+    target: list[str | Path] = ["--config", gateway.config_file, "--gateway", gateway.url]  # admin key: the config's
+    runs: dict[str, Any] = dict(zip(("openai", "list"), flywheel_all(
+        (["export", "--format", "openai", "--out", out / "train.jsonl", *target], None),
+        (["list", "--json", *target], None)), strict=True))
+    runs["art"] = invoke("export", "--format", "art", "--out", out / "art.jsonl", "--alias", "agent", *target)
+    runs["parquet"] = invoke("export", "--format", "parquet", "--out", out / "pq", *target)
+    runs["show"] = invoke("show", "trip-1", "--json", "--config", gateway.config_file,
+                          env={"FLYWHEEL_PORT": str(gateway.port)})  # no --gateway: the configured one answers
+    runs["wrong_key"] = invoke("list", *target, env={"FLYWHEEL_ADMIN_KEY": "wrong"})
+    return {"out": out, **runs}
+
+
+def test_openai_export_through_the_gateway(through_gateway: dict[str, Any], made: dict[str, Any]) -> None:
+    result, out = through_gateway["openai"], through_gateway["out"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"exported 2 trajectories (2 branches) as openai to {out / 'train.jsonl'}\n"
+    lines = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert lines == expected_openai_lines(made)
-    assert as_art.returncode == 0, as_art.stderr
-    art = [Trajectory.model_validate_json(line) for line in (tmp_path / "art.jsonl").read_text().splitlines()]
-    assert [(t.id, t.reward, len(t.messages_and_choices)) for t in art] == [("trip-1", 0.0, 5), ("chat-2", 0.0, 3)]
+
+
+def test_art_export_through_the_gateway(through_gateway: dict[str, Any]) -> None:
+    result, out = through_gateway["art"], through_gateway["out"]
+    assert result.exit_code == 0, result.stderr
+    art = [Trajectory.model_validate_json(line) for line in (out / "art.jsonl").read_text().splitlines()]
+    assert [(t.id, t.reward, len(t.messages_and_choices)) for t in art] == [("trip-1", 0.0, 5), ("chat/2", 0.0, 3)]
     assert art[0].tools == [TOOL] and art[0].messages_and_choices[2]["finish_reason"] == "tool_calls"
-    assert as_parquet.returncode == 0, as_parquet.stderr
-    assert as_parquet.stdout.startswith("exported 2 trajectories (3 turns) as parquet to ")
-    turns = duckdb.sql(f"select trajectory_id, depth from '{tmp_path / 'pq' / 'turns.parquet'}'").fetchall()
-    assert sorted(turns) == [("chat-2", 0), ("trip-1", 0), ("trip-1", 1)]
-    assert listed.returncode == 0 and json.loads(listed.stdout) == made["page"]  # the API's own page
+    assert art[0].messages_and_choices[2]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
-def test_without_a_target_the_configured_gateway_is_used(gateway: GatewayProcess, made: dict[str, Any]) -> None:
-    found = flywheel("show", "trip-1", "--json", "--config", gateway.config_file,
-                     env=cli_env(FLYWHEEL_PORT=str(gateway.port)))
-    assert found.returncode == 0, found.stderr
-    detail = json.loads(found.stdout)
-    assert [t["depth"] for t in detail["turns"]] == [0, 1] and detail["branches"] == [[t["id"] for t in
-                                                                                      detail["turns"]]]
+def test_parquet_export_through_the_gateway(through_gateway: dict[str, Any]) -> None:
+    result, out = through_gateway["parquet"], through_gateway["out"]
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == (f"exported 2 trajectories (3 turns) as parquet to {out / 'pq' / 'trajectories.parquet'}"
+                             f" and {out / 'pq' / 'turns.parquet'}\n")
+    turns = duckdb.execute(f"select trajectory_id, depth from '{out / 'pq' / 'turns.parquet'}'").fetchall()
+    assert sorted(turns) == [("chat/2", 0), ("trip-1", 0), ("trip-1", 1)]
+    assert "fetching" in result.stderr and "2/2" in result.stderr  # the progress bar went to stderr
 
 
-def test_bad_input_through_the_gateway(gateway: GatewayProcess, made: dict[str, Any], tmp_path: Path) -> None:
-    target = ["--config", str(gateway.config_file), "--gateway", gateway.url]
-    results = flywheel_all(
-        (["export", "--format", "xml", "--out", tmp_path / "x", *target], None),
-        (["list", "--since", "last tuesday", *target], None),
-        (["show", "nope", *target], None),
-        (["delete", *target], None),
-        (["delete", "trip-1", *target], None),
-        (["list", *target, "--database", tmp_path / "x.duckdb"], None),
-        (["list", *target], cli_env(FLYWHEEL_ADMIN_KEY="wrong")),
-        (["export", "--out", tmp_path, *target], None))
-    says = ["--format must be one of openai, art, parquet", "Invalid value for 'since'", "no trajectory 'nope'",
-            "give a trajectory id or --client-key-id", "without --yes", "choose one", "401",
-            "is a directory"]
-    for result, message in zip(results, says, strict=True):
-        assert_bad_input(result, message)
+def test_list_and_show_through_the_gateway(through_gateway: dict[str, Any], made: dict[str, Any]) -> None:
+    listed, shown = through_gateway["list"], through_gateway["show"]
+    assert listed.returncode == 0 and json.loads(listed.stdout) == made["page"]  # the admin API's own page
+    assert shown.exit_code == 0, shown.stderr  # no --gateway: the configured host and port answered
+    detail = json.loads(shown.stdout)
+    assert [t["depth"] for t in detail["turns"]] == [0, 1]
+    assert detail["branches"] == [[t["id"] for t in detail["turns"]]]
+    wrong = through_gateway["wrong_key"]  # $FLYWHEEL_ADMIN_KEY wins over the config
+    assert wrong.exit_code == 2 and wrong.stderr.startswith("error: gateway answered 401"), wrong.stderr
+
+
+def test_bad_input_is_one_line_and_exit_2(gateway: GatewayProcess, made: dict[str, Any], tmp_path: Path) -> None:
+    target: list[str | Path] = ["--config", gateway.config_file, "--gateway", gateway.url]
+    cases: list[tuple[list[str | Path], str]] = [
+        (["export", "--format", "xml", "--out", tmp_path / "x", *target], "--format must be one of openai, art"),
+        (["export", "--out", tmp_path, *target], "is a directory"),
+        (["list", "--since", "last tuesday", *target], "Invalid value for 'since'"),
+        (["show", "nope", *target], "no trajectory 'nope'"),
+        (["delete", *target], "give a trajectory id or --client-key-id"),
+        (["delete", "trip-1", *target], "without --yes"),
+        (["list", *target, "--database", tmp_path / "x.duckdb"], "choose one"),
+        (["list", "--gateway", f"http://127.0.0.1:{free_port()}"], "no gateway answers"),
+        (["list", "--data-dir", tmp_path / "empty"], "no store at"),
+    ]
+    for args, says in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (args, result.stderr)
 
 
 def test_stored_completions_without_client_keys_show_everything(gateway: GatewayProcess,
@@ -170,60 +207,47 @@ def stopped(gateway: GatewayProcess, made: dict[str, Any]) -> Path:
 def test_list_on_the_file_exact_output(stopped: Path, made: dict[str, Any]) -> None:
     result = flywheel("list", "--database", stopped)
     assert result.returncode == 0, result.stderr
-    chat, trip = made["page"]["data"]
-    when = {t["id"]: datetime.fromisoformat(t["created_at"]).strftime("%Y-%m-%d %H:%M:%S") for t in (chat, trip)}
+    when = {t["id"]: datetime.fromisoformat(t["created_at"]).strftime("%Y-%m-%d %H:%M:%S")
+            for t in made["page"]["data"]}
     assert result.stdout == (
         "ID       ALIAS   STATUS   TURNS   BRANCHES   REWARD   CREATED (UTC)      \n"
-        "──────────────────────────────────────────────────────────────────────────\n"
-        f"chat-2   agent   open         1          1        -   {when['chat-2']}\n"
+        "─────────────────────────────────────────────────────────────────────────\n"
+        f"chat/2   agent   open         1          1        -   {when['chat/2']}\n"
         f"trip-1   agent   open         2          1        -   {when['trip-1']}\n"
-        "\n"
         "2 trajectories\n")
 
 
-def test_file_and_gateway_give_the_same_answers(stopped: Path, made: dict[str, Any], tmp_path: Path) -> None:
-    config = str(stopped.parent.parent / "flywheel.toml")
-    dead = cli_env(FLYWHEEL_PORT=str(free_port()))  # the configured gateway does not answer: the file is read
-    listed, shown, exported, no_gateway = flywheel_all(
-        (["list", "--json", "--config", config], dead),
-        (["show", "trip-1", "--database", stopped], None),
-        (["export", "--format", "openai", "--out", tmp_path / "f.jsonl", "--data-dir", stopped.parent], None),
-        (["list", "--gateway", f"http://127.0.0.1:{free_port()}"], None))
-    assert listed.returncode == 0, listed.stderr
+def test_file_gives_what_the_gateway_gave(stopped: Path, made: dict[str, Any], through_gateway: dict[str, Any],
+                                          tmp_path: Path) -> None:
+    config = stopped.parent.parent / "flywheel.toml"
+    listed = invoke("list", "--json", "--config", config, env={"FLYWHEEL_PORT": str(free_port())})  # none answers
+    assert listed.exit_code == 0, listed.stderr
     assert json.loads(listed.stdout) == made["page"]
-    assert shown.returncode == 0, shown.stderr
+    exported = invoke("export", "--format", "openai", "--out", tmp_path / "f.jsonl", "--data-dir", stopped.parent)
+    assert exported.exit_code == 0, exported.stderr
+    assert (tmp_path / "f.jsonl").read_text() == (through_gateway["out"] / "train.jsonl").read_text()
+    direct = invoke("export", "--format", "parquet", "--out", tmp_path / "pq", "--database", stopped,
+                    "--status", "open")
+    assert direct.exit_code == 0, direct.stderr
+    for name in ("trajectories.parquet", "turns.parquet"):  # a direct COPY and the gateway's scratch copy agree
+        here, there = tmp_path / "pq" / name, through_gateway["out"] / "pq" / name
+        assert rows(f"describe from '{here}'") == rows(f"describe from '{there}'")
+        assert rows(f"(from '{here}' except from '{there}') union all (from '{there}' except from '{here}')") == []
+    shown = invoke("show", "trip-1", "--database", stopped)
+    assert shown.exit_code == 0, shown.stderr
     assert shown.stdout.startswith("trajectory trip-1\n  alias      agent\n  status     open\n")
     assert "calls get_weather" in shown.stdout and "echo grey" in shown.stdout and "branches (1):" in shown.stdout
-    assert exported.returncode == 0, exported.stderr
-    assert [json.loads(line) for line in (tmp_path / "f.jsonl").read_text().splitlines()] == \
-        expected_openai_lines(made)
-    assert_bad_input(no_gateway, "no gateway answers")
 
 
-def test_parquet_from_the_file_matches_the_gateway_export(stopped: Path, tmp_path: Path) -> None:
-    direct = flywheel("export", "--format", "parquet", "--out", tmp_path / "direct", "--database", stopped,
-                      "--status", "open")
-    assert direct.returncode == 0, direct.stderr
-    assert direct.stdout == (f"exported 2 trajectories (3 turns) as parquet to {tmp_path / 'direct'}/"
-                             f"trajectories.parquet and {tmp_path / 'direct'}/turns.parquet\n")
-    rows = duckdb.sql(f"select id, status, turn_count from '{tmp_path / 'direct' / 'trajectories.parquet'}' "
-                      "order by id").fetchall()
-    assert rows == [("chat-2", "open", 1), ("trip-1", "open", 2)]
-    columns = [c[0] for c in duckdb.sql(f"describe select * from '{tmp_path / 'direct' / 'turns.parquet'}'")
-               .fetchall()]
-    assert "completion_token_ids" in columns and "request_messages" in columns
-
-
-def test_delete_on_the_file(stopped: Path, tmp_path: Path) -> None:
+def test_delete_on_the_file(stopped: Path) -> None:
     locked = duckdb.connect(str(stopped))  # another process holds the file: the CLI says so
     try:
         assert_bad_input(flywheel("list", "--database", stopped), "open in another process")
     finally:
         locked.close()
-    deleted = flywheel("delete", "chat-2", "--yes", "--database", stopped)
-    assert deleted.returncode == 0, deleted.stderr
-    assert deleted.stdout == ("deleted trajectory chat-2: 1 trajectories, 1 turns, 0 scores, 0 feedback, "
+    deleted = invoke("delete", "chat/2", "--yes", "--database", stopped)
+    assert deleted.exit_code == 0, deleted.stderr
+    assert deleted.stdout == ("deleted trajectory chat/2: 1 trajectory, 1 turn, 0 scores, 0 feedback, "
                               "0 group memberships\n")
-    remaining = flywheel("list", "--json", "--database", stopped)
+    remaining = invoke("list", "--json", "--database", stopped)
     assert [t["id"] for t in json.loads(remaining.stdout)["data"]] == ["trip-1"]
-    assert_bad_input(flywheel("list", "--data-dir", tmp_path / "empty"), "no store at")

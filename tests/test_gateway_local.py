@@ -203,6 +203,6 @@ def test_healthz_and_metrics(client: openai.OpenAI, local_gateway: GatewayProces
     health = httpx.get(f"{local_gateway.url}/healthz")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     text = httpx.get(f"{local_gateway.url}/metrics").text
-    assert 'flywheel_requests_total{endpoint="chat.completions",alias="agent",status="200"}' in text
+    assert 'flywheel_requests_total{alias="agent",endpoint="chat.completions",status="200"}' in text
     assert "flywheel_request_latency_seconds_bucket" in text
     assert 'flywheel_tokens_total{alias="agent",kind="completion"}' in text

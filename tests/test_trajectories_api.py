@@ -243,9 +243,9 @@ def test_file_rewards_branches_and_exports(tree_store: Store, tmp_path: Path) ->
     assert sum("finish_reason" in m for m in art[0].messages_and_choices) == 3  # the model's own answers
     written = export_parquet(tree_store, tmp_path / "pq", TrajectoryFilter(has_reward=True))
     assert (written.trajectories, written.turns) == (1, 4)
-    rows = duckdb.sql(f"select id, parent_turn_id from '{written.turns_path}' order by id").fetchall()
+    rows = duckdb.execute(f"select id, parent_turn_id from '{written.turns_path}' order by id").fetchall()
     assert rows == [("t1", None), ("t2", "t1"), ("t3", "t2"), ("t4", "t1")]
-    assert duckdb.sql(f"select id from '{written.trajectories_path}'").fetchall() == [("traj_t",)]
+    assert duckdb.execute(f"select id from '{written.trajectories_path}'").fetchall() == [("traj_t",)]
 
 
 def test_file_delete_keeps_the_tree_connected(tree_store: Store) -> None:
@@ -262,3 +262,22 @@ def test_file_delete_keeps_the_tree_connected(tree_store: Store) -> None:
     assert queries.delete_trajectory(tree_store, "traj_t") is None
     assert queries.delete_client_data(tree_store, "key_b").trajectories == 1
     assert queries.list_trajectories(tree_store).data == []
+
+
+def test_file_completion_choices_exclude_forked_siblings(tree_store: Store) -> None:
+    """Each choice of a completion is a turn; forked siblings share the id but the client never saw them."""
+    at = datetime(2025, 1, 3, tzinfo=UTC)
+    with tree_store.session() as session:
+        for index, source in ((1, "client"), (2, "fork")):
+            extra = turn(f"t4-{index}", "traj_t", "t1", 1, at, messages=[{"role": "user", "content": "q4"}],
+                         answer=f"other {index}")
+            extra.completion_id, extra.choice_index, extra.source = "c-t4", index, source
+            session.add(extra)
+        session.commit()
+    completion = queries.get_completion(tree_store, "c-t4", queries.EVERY_KEY)
+    assert completion is not None
+    assert [(c["index"], c["message"]["content"]) for c in completion["choices"]] == [(0, "a4"), (1, "other 1")]
+    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert queries.get_completion(tree_store, "c-t4", "key_b") is None
+    listed = queries.list_completions(tree_store, "key_a", queries.CompletionFilter(model="agent"))
+    assert [c["id"] for c in listed.data] == ["c-t1", "c-t2", "c-t3", "c-t4"]

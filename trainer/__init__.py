@@ -1,1 +1,43 @@
-"""Training side of Flywheel: the tiny offline model and fine-tuning jobs."""
+"""Training side of Flywheel: captured groups -> samples -> GRPO (TRL + PEFT) -> versioned LoRA adapters.
+
+Importing ``trainer`` is cheap: torch, transformers, peft and TRL load only when a round
+runs (``train_round``) or the tiny model is built.
+
+    from trainer import GRPOArgs, build_samples, train_round, adapters
+"""
+
+from trainer import adapters
+from trainer.grpo import CapturedRollout, GroupPlan, GRPOArgs, RoundResult, passthrough_reward, plan_groups, train_round
+from trainer.samples import (
+    AdvantageScale,
+    Sample,
+    SampleBatch,
+    Skipped,
+    Truncation,
+    build_samples,
+    group_advantages,
+    is_zero_variance,
+    member_sequences,
+    turn_tokens,
+)
+
+__all__ = [
+    "AdvantageScale",
+    "CapturedRollout",
+    "GRPOArgs",
+    "GroupPlan",
+    "RoundResult",
+    "Sample",
+    "SampleBatch",
+    "Skipped",
+    "Truncation",
+    "adapters",
+    "build_samples",
+    "group_advantages",
+    "is_zero_variance",
+    "member_sequences",
+    "passthrough_reward",
+    "plan_groups",
+    "train_round",
+    "turn_tokens",
+]

@@ -58,7 +58,6 @@ Nothing here imports torch: the module is pure Python over token id lists.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -379,7 +378,3 @@ def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tok
                        members_in=sum(len(g.members) for g in groups),
                        sources={g.group_id: g.source for g, _ in kept})
 
-
-def skip_reasons(batch: SampleBatch) -> Counter[str]:
-    """Members skipped per reason (a flat view of ``batch.skip_counts()``)."""
-    return Counter({reason: entry["members"] for reason, entry in batch.skip_counts().items()})
