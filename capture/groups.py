@@ -97,8 +97,9 @@ def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list
 
 def _fork_groups(session: Session, rules: GroupingRules, now: datetime) -> list[Group]:
     """One group per forked completion: the client's choice(s) plus the gateway's siblings."""
-    fork_ids = set(session.exec(select(Turn.completion_id).where(Turn.source == "fork")))
-    fork_ids -= set(session.exec(select(Group.key).where(Group.source == "fork")))
+    forked: set[str] = set(session.exec(select(Turn.completion_id).where(Turn.source == "fork")))
+    done: set[str] = set(session.exec(select(Group.key).where(Group.source == "fork")))
+    fork_ids = forked - done
     formed = []
     for completion_id in sorted(fork_ids):
         turns = list(session.exec(select(Turn).where(Turn.completion_id == completion_id)

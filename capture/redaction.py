@@ -50,6 +50,12 @@ BUILTIN_RULES = (
 )
 
 
+def _replacer(rule: Rule) -> Callable[[re.Match[str]], str]:
+    def replace(match: re.Match[str]) -> str:
+        return f"[REDACTED:{rule.name}]" if rule.accept(match.group()) else match.group()
+    return replace
+
+
 class Redactor:
     """Applies the built-in rules (unless disabled) and the user's regexes to text."""
 
@@ -64,8 +70,7 @@ class Redactor:
 
     def text(self, value: str) -> str:
         for rule in self.rules:
-            value = rule.pattern.sub(lambda m, r=rule: f"[REDACTED:{r.name}]" if r.accept(m.group()) else m.group(),
-                                     value)
+            value = rule.pattern.sub(_replacer(rule), value)
         return value
 
     def message(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -396,12 +396,16 @@ def show_command(trajectory_id: Annotated[str, typer.Argument(help="The trajecto
         console.print(f"  {label:<11}{value}")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     longest = max((len(t["id"]) for t in detail["turns"]), default=4)
-    for name in ("#", "TURN", "PARENT", "MODEL", "FINISH", "ANSWER"):
-        ids = name in ("TURN", "PARENT")
-        table.add_column(name, no_wrap=ids, min_width=longest if ids else None, overflow="fold")
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("TURN", no_wrap=True, min_width=longest)  # ids are copied from here: never cut them
+    table.add_column("PARENT", justify="right", no_wrap=True)  # the parent's row number: short, and the tree shows
+    for name in ("MODEL", "FINISH", "ANSWER"):
+        table.add_column(name, overflow="fold")
+    row_of = {turn["id"]: str(number) for number, turn in enumerate(detail["turns"], 1)}
     for number, turn in enumerate(detail["turns"], 1):
-        table.add_row(str(number), turn["id"], turn["parent_turn_id"] or "-", turn["requested_model"],
-                      turn["finish_reason"] or "-", _answer(turn["response_message"]))
+        parent = turn["parent_turn_id"]
+        table.add_row(str(number), turn["id"], row_of.get(parent, "other") if parent else "-",
+                      turn["requested_model"], turn["finish_reason"] or "-", _answer(turn["response_message"]))
     console.print(table)
     console.print(f"branches ({len(detail['branches'])}):")
     for number, branch in enumerate(detail["branches"], 1):

@@ -163,8 +163,9 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
                                 served=served, requested_model=body["model"], client_key_id=key_id, started=started)
             if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
-                asks = replace(asks, choices=int(body.get("n") or 1))
-                to_engine["n"] = asks.choices + plan.fork_k
+                client_n = int(body.get("n") or 1)
+                asks = replace(asks, choices=client_n)
+                to_engine["n"] = client_n + plan.fork_k
         if body.get("stream"):
             return await _stream(state, served, endpoint, to_engine, asks, body, started, plan)
         served.in_flight += 1

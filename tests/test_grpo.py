@@ -268,7 +268,7 @@ def test_groups_are_bucketed_or_trimmed_to_one_size_never_padded() -> None:
     assert {(s.group_id, s.reason) for s in bucket.skipped} == {("c", "group_size"), ("d", "group_size")}
     trim = plan_groups(batch, group_size=4, policy="trim", seed=1)
     assert trim.slot_group_ids == ["a", "b", "d"] and trim.native == [True, False, False]
-    assert [(s.group_id, s.reason) for s in trim.skipped] == [("c", "group_size")]
+    assert [(s.group_id, s.reason, s.members) for s in trim.skipped] == [("c", "group_size", 3), ("d", "trimmed", 1)]
     for slot in trim.slots:  # every slot: G distinct real samples of one group
         assert len(slot) == len(set(slot)) == 4 and len({batch.samples[i].group_id for i in slot}) == 1
     assert plan_groups(batch, group_size=4, policy="trim", seed=1).slots == trim.slots  # seeded
