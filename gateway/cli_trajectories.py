@@ -356,8 +356,7 @@ def list_command(config: ConfigOption = None, gateway: GatewayOption = None, adm
         typer.echo(json.dumps(page, indent=2))
         return
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    longest = max((len(t["id"]) for t in page["data"]), default=2)
-    table.add_column("ID", no_wrap=True, min_width=longest)  # ids are copied from here: never cut them
+    table.add_column("ID", overflow="fold")  # ids are copied from here: fold a long one, never cut it
     for name in ("ALIAS", "STATUS", "TURNS", "BRANCHES", "REWARD", "CREATED (UTC)"):
         table.add_column(name, justify="right" if name in ("TURNS", "BRANCHES", "REWARD") else "left")
     for t in page["data"]:
@@ -395,9 +394,8 @@ def show_command(trajectory_id: Annotated[str, typer.Argument(help="The trajecto
                          ("group", detail["group_key"] or "-"), ("reward", _reward(detail["reward"]))):
         console.print(f"  {label:<11}{value}")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    longest = max((len(t["id"]) for t in detail["turns"]), default=4)
     table.add_column("#", justify="right", no_wrap=True)
-    table.add_column("TURN", no_wrap=True, min_width=longest)  # ids are copied from here: never cut them
+    table.add_column("TURN", overflow="fold")  # ids are copied from here: fold a long one, never cut it
     table.add_column("PARENT", justify="right", no_wrap=True)  # the parent's row number: short, and the tree shows
     for name in ("MODEL", "FINISH", "ANSWER"):
         table.add_column(name, overflow="fold")

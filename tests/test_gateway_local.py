@@ -206,3 +206,13 @@ def test_healthz_and_metrics(client: openai.OpenAI, local_gateway: GatewayProces
     assert 'flywheel_requests_total{alias="agent",endpoint="chat.completions",status="200"}' in text
     assert "flywheel_request_latency_seconds_bucket" in text
     assert 'flywheel_tokens_total{alias="agent",kind="completion"}' in text
+
+
+def test_forked_stream_shows_the_client_only_its_choices(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="gpt-4o", messages=HI, max_tokens=5, n=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True}, extra_headers={"X-Flywheel-Fork": "2"}))
+    assert_openai_chunks(chunks)
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}  # the engine drew 4; the client asked 2
+    sampled = sum(len(ch.get("token_ids") or []) for c in chunks for ch in c.model_dump()["choices"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == sampled

@@ -1,0 +1,236 @@
+"""Training-step throughput: GRPO on captured groups vs TRL's GRPOTrainer generating its own completions.
+
+    .venv/bin/python bench/train_step.py                      # tiny model, CPU, both modes, then the ratio
+    .venv/bin/python bench/train_step.py --groups 8 --group-size 8 --completion-tokens 64 --steps 8
+    .venv/bin/python bench/train_step.py --model /path/to/Qwen2.5-0.5B-Instruct   # a real model (GPU if any)
+
+Both modes train the same model with the same LoRA (r 16, all linear layers), batch shape
+(``groups`` prompts x ``group_size`` completions, ``per_device_train_batch_size`` = one group,
+``gradient_accumulation_steps``), completion length and number of optimizer steps:
+
+- ``captured``: ``trainer.grpo.train_round`` on pre-built groups whose completions (random
+  tokens, exactly ``completion_tokens`` long, with behaviour logprobs) stand in for traffic
+  the gateway captured;
+- ``generate``: TRL's ``GRPOTrainer`` sampling its completions with ``model.generate``
+  (``max_completion_length = completion_tokens``; the random tiny model never emits eos, so
+  every completion is full length and both modes train on the same number of tokens).
+
+Each mode runs in its own child process, so its peak memory is its own. Reported per mode:
+``tokens_per_s`` = (prompt + completion tokens trained) / ``trainer.train()`` wall time,
+the median optimizer-step time after the first, peak RSS of the process
+(``resource.getrusage``: weights, activations, everything), the peak of Python-level
+allocations during training (``tracemalloc``: batches, samples, logs; not tensor storage),
+and on GPU ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Args:
+    groups: int = 4
+    """distinct prompts (groups) per round"""
+    group_size: int = 8
+    """completions per prompt (TRL's num_generations)"""
+    completion_tokens: int = 32
+    """completion length (captured: exact; generate: max_completion_length, reached by the tiny model)"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches (of one group each) per optimizer step"""
+    steps: int = 8
+    """optimizer steps per mode"""
+    model: str = ""
+    """model directory; empty: build the tiny model in a temporary directory"""
+    seed: int = 0
+    """seeds data, LoRA init and sampling"""
+    mode: str = "both"
+    """both (parent: runs the two children and compares) | captured | generate (one child)"""
+    json_out: str = ""
+    """also write the results here as JSON"""
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in fields(Args):
+        default = getattr(Args, f.name)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    return Args(**vars(parser.parse_args(argv)))
+
+
+def questions(n: int) -> list[str]:
+    return [f"Question {i}: what is the weather in city number {i} today?" for i in range(n)]
+
+
+def grpo_args(args: Args, **extra: Any) -> Any:
+    from trainer.grpo import GRPOArgs
+
+    return GRPOArgs.tiny(max_steps=args.steps, num_generations=args.group_size,
+                         gradient_accumulation_steps=args.gradient_accumulation_steps,
+                         max_completion_tokens=args.completion_tokens, seed=args.seed, progress=False,
+                         precision="auto", **extra)
+
+
+def peaks() -> dict[str, float]:
+    import torch
+
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "python_alloc_peak_mib": tracemalloc.get_traced_memory()[1] / 2**20}
+    if torch.cuda.is_available():
+        out["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def step_times(log_history: list[dict[str, Any]]) -> float:
+    times = [h["step_time"] for h in log_history if "step_time" in h][1:]  # the first step warms up
+    return statistics.median(times) if times else float("nan")
+
+
+# --------------------------------------------------------------------------- captured: trainer.grpo
+
+
+def run_captured(args: Args) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from capture.batches import BranchTurn, GroupMember, TrainingGroup
+    from trainer.grpo import train_round
+
+    rng = random.Random(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    groups = []
+    for g, question in enumerate(questions(args.groups)):
+        messages = [{"role": "user", "content": question}]
+        prompt = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)["input_ids"]
+        members = []
+        for m in range(args.group_size):
+            completion = [rng.choice(vocab) for _ in range(args.completion_tokens)]
+            turn = BranchTurn(messages, {"role": "assistant", "content": tokenizer.decode(completion)},
+                              prompt_token_ids=prompt, completion_token_ids=completion,
+                              completion_logprobs=[-7.0] * len(completion), finish_reason="length")
+            members.append(GroupMember(f"t{g}-{m}", [turn], reward=rng.random()))
+        groups.append(TrainingGroup(f"g{g}", "explicit", "bench", members))
+    with tempfile.TemporaryDirectory() as tmp:
+        tracemalloc.start()
+        started = time.perf_counter()
+        result = train_round(args.model, groups, grpo_args(args), out_dir=Path(tmp) / "1")
+        wall = time.perf_counter() - started
+        memory = peaks()
+        tracemalloc.stop()
+        history = json.loads((Path(tmp) / "1" / "flywheel_round.json").read_text())["steps"]
+    seconds = result.metrics["charts/train_seconds"]
+    return {"mode": "captured", "steps": result.metrics["charts/steps"], "train_seconds": seconds,
+            "round_seconds": wall, "tokens": result.metrics["charts/tokens_per_s"] * seconds,
+            "tokens_per_s": result.metrics["charts/tokens_per_s"], "median_step_s": step_times(history),
+            "loss": result.metrics["losses/loss"], **memory}
+
+
+# --------------------------------------------------------------------------- generate: TRL alone
+
+
+def run_generate(args: Args) -> dict[str, Any]:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.grpo import _target_modules
+
+    settings = grpo_args(args)
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    transformers.set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if bf16 else torch.float32)
+    lora = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
+                      target_modules=_target_modules(model, "all-linear"), task_type="CAUSAL_LM")
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in questions(args.groups)])
+
+    def letter_a(completions: list[Any], **kwargs: Any) -> list[float]:  # dense, cheap (NOTES.md)
+        texts = [c[0]["content"] for c in completions]
+        return [t.count("a") / max(1, len(t)) for t in texts]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(output_dir=tmp, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                            seed=args.seed, bf16=bf16, use_cpu=not cuda, learning_rate=settings.learning_rate,
+                            lr_scheduler_type="constant", max_steps=args.steps,
+                            per_device_train_batch_size=args.group_size,
+                            gradient_accumulation_steps=args.gradient_accumulation_steps,
+                            num_generations=args.group_size, max_completion_length=args.completion_tokens,
+                            temperature=1.0, loss_type=settings.loss_type, mask_truncated_completions=False,
+                            log_completions=False)
+        trainer = GRPOTrainer(model=model, reward_funcs=[letter_a], args=config, train_dataset=dataset,
+                              processing_class=tokenizer, peft_config=lora)
+        trainer.remove_callback(PrinterCallback)
+        tracemalloc.start()
+        started = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - started
+        memory = peaks()
+        tracemalloc.stop()
+    history = trainer.state.log_history
+    seconds = next(h["train_runtime"] for h in history if "train_runtime" in h)
+    tokens = trainer.state.num_input_tokens_seen  # prompt + completion tokens, all ranks
+    losses = [h["loss"] for h in history if "loss" in h]
+    return {"mode": "generate", "steps": trainer.state.global_step, "train_seconds": seconds, "round_seconds": wall,
+            "tokens": tokens, "tokens_per_s": tokens / seconds, "median_step_s": step_times(history),
+            "loss": sum(losses) / len(losses), **memory}
+
+
+# --------------------------------------------------------------------------- parent: both, side by side
+
+
+def main() -> None:
+    args = parse_args()
+    if args.mode == "captured":
+        print(json.dumps(run_captured(args)))
+        return
+    if args.mode == "generate":
+        print(json.dumps(run_generate(args)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.model:
+            from trainer.tiny_model import build_tiny_model
+
+            args.model = str(build_tiny_model(Path(tmp) / "tiny", seed=args.seed))
+        results = {}
+        for mode in ("captured", "generate"):
+            child = [sys.executable, __file__, "--mode", mode,
+                     *[x for f in fields(Args) if f.name != "mode"
+                       for x in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]]
+            done = subprocess.run(child, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{mode} failed:\n{done.stderr[-4000:]}")
+            results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    captured, generate = results["captured"], results["generate"]
+    summary = {"args": asdict(args), "captured": captured, "generate": generate,
+               "tokens_per_s_ratio": captured["tokens_per_s"] / generate["tokens_per_s"],
+               "step_time_ratio": generate["median_step_s"] / captured["median_step_s"]}
+    print(f"{'mode':<10}{'tokens/s':>12}{'median step s':>15}{'train s':>10}{'peak RSS MiB':>14}"
+          f"{'py alloc MiB':>14}")
+    for r in (captured, generate):
+        print(f"{r['mode']:<10}{r['tokens_per_s']:>12.0f}{r['median_step_s']:>15.3f}{r['train_seconds']:>10.2f}"
+              f"{r['peak_rss_mib']:>14.0f}{r['python_alloc_peak_mib']:>14.1f}")
+    print(f"captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x; "
+          f"step time generate / captured: {summary['step_time_ratio']:.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
