@@ -578,6 +578,7 @@ def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str,
 def main() -> None:
     args = parse_args()
     run_name = f"gateway_overhead__{int(time.time())}"
+    run_started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix=run_name + "_"))
     servers: list[Server] = []
     litellm_missing: str | None = None if args.litellm else "skipped (--no-litellm)"
@@ -621,6 +622,7 @@ def main() -> None:
         results = summarize(targets, args)
         info = machine()
         verdicts = print_report(results, args, info, litellm_missing, background_cores)
+        print(f"{run_name}: {time.perf_counter() - run_started:.0f} s in all, start-up included")
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"run_name": run_name, "args": dataclasses.asdict(args), "machine": info, "results": results,

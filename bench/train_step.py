@@ -17,10 +17,10 @@ Both modes train the same model with the same LoRA (r 16, all linear layers), ba
 
 Each mode runs in its own child process, so its peak memory is its own. Reported per mode:
 ``tokens_per_s`` = (prompt + completion tokens trained) / ``trainer.train()`` wall time,
-the median optimizer-step time after the first, peak RSS of the process
-(``resource.getrusage``: weights, activations, everything), the peak of Python-level
-allocations during training (``tracemalloc``: batches, samples, logs; not tensor storage),
-and on GPU ``torch.cuda.max_memory_allocated``.
+the median optimizer-step time after the first, the peak RSS of the process
+(``resource.getrusage``: libraries, weights, activations, optimizer state: everything), and on
+GPU ``torch.cuda.max_memory_allocated``. (Not ``tracemalloc``: it does not see tensor storage,
+and tracing every Python allocation slowed the captured round ~20x here, which is no measurement.)
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -86,8 +85,7 @@ def grpo_args(args: Args, **extra: Any) -> Any:
 def peaks() -> dict[str, float]:
     import torch
 
-    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "python_alloc_peak_mib": tracemalloc.get_traced_memory()[1] / 2**20}
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
     if torch.cuda.is_available():
         out["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
@@ -102,6 +100,8 @@ def step_times(log_history: list[dict[str, Any]]) -> float:
 
 
 def run_captured(args: Args) -> dict[str, Any]:
+    import peft  # noqa: F401  (imported up front: round_seconds should not count library imports)
+    import trl  # noqa: F401
     from transformers import AutoTokenizer
 
     from capture.batches import BranchTurn, GroupMember, TrainingGroup
@@ -124,12 +124,10 @@ def run_captured(args: Args) -> dict[str, Any]:
             members.append(GroupMember(f"t{g}-{m}", [turn], reward=rng.random()))
         groups.append(TrainingGroup(f"g{g}", "explicit", "bench", members))
     with tempfile.TemporaryDirectory() as tmp:
-        tracemalloc.start()
         started = time.perf_counter()
         result = train_round(args.model, groups, grpo_args(args), out_dir=Path(tmp) / "1")
         wall = time.perf_counter() - started
         memory = peaks()
-        tracemalloc.stop()
         history = json.loads((Path(tmp) / "1" / "flywheel_round.json").read_text())["steps"]
     seconds = result.metrics["charts/train_seconds"]
     return {"mode": "captured", "steps": result.metrics["charts/steps"], "train_seconds": seconds,
@@ -177,12 +175,10 @@ def run_generate(args: Args) -> dict[str, Any]:
         trainer = GRPOTrainer(model=model, reward_funcs=[letter_a], args=config, train_dataset=dataset,
                               processing_class=tokenizer, peft_config=lora)
         trainer.remove_callback(PrinterCallback)
-        tracemalloc.start()
         started = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - started
         memory = peaks()
-        tracemalloc.stop()
     history = trainer.state.log_history
     seconds = next(h["train_runtime"] for h in history if "train_runtime" in h)
     tokens = trainer.state.num_input_tokens_seen  # prompt + completion tokens, all ranks
@@ -221,11 +217,10 @@ def main() -> None:
     summary = {"args": asdict(args), "captured": captured, "generate": generate,
                "tokens_per_s_ratio": captured["tokens_per_s"] / generate["tokens_per_s"],
                "step_time_ratio": generate["median_step_s"] / captured["median_step_s"]}
-    print(f"{'mode':<10}{'tokens/s':>12}{'median step s':>15}{'train s':>10}{'peak RSS MiB':>14}"
-          f"{'py alloc MiB':>14}")
+    print(f"{'mode':<10}{'tokens/s':>12}{'median step s':>15}{'train s':>10}{'round s':>10}{'peak RSS MiB':>14}")
     for r in (captured, generate):
         print(f"{r['mode']:<10}{r['tokens_per_s']:>12.0f}{r['median_step_s']:>15.3f}{r['train_seconds']:>10.2f}"
-              f"{r['peak_rss_mib']:>14.0f}{r['python_alloc_peak_mib']:>14.1f}")
+              f"{r['round_seconds']:>10.2f}{r['peak_rss_mib']:>14.0f}")
     print(f"captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x; "
           f"step time generate / captured: {summary['step_time_ratio']:.2f}x")
     if args.json_out:

@@ -165,7 +165,7 @@ class TrajectoryLinker:
         parent: _Candidate | None = None
         if row["source"] == "fork":  # a sibling the client never saw: its own one-turn trajectory
             trajectory_id = new_id("traj")
-        elif item.explicit_trajectory_id:
+        elif item.explicit_trajectory_id and self._owned_by(item.explicit_trajectory_id, row["client_key_id"]):
             trajectory_id = item.explicit_trajectory_id
             parent = self._parent_in(trajectory_id, item.assistant_prefix_hashes)
         else:
@@ -177,7 +177,7 @@ class TrajectoryLinker:
         turn = Turn(**row, trajectory_id=trajectory_id, parent_turn_id=parent.turn_id if parent else None,
                     depth=parent.depth + 1 if parent else 0)
         self.session.add(turn)
-        self._touch_trajectory(turn, explicit=item.explicit_trajectory_id is not None and row["source"] != "fork",
+        self._touch_trajectory(turn, explicit=trajectory_id == item.explicit_trajectory_id,
                                branched=parent is not None and parent.has_children)
         self.session.flush()  # later turns of the same batch must see this one
         return turn
@@ -214,6 +214,15 @@ class TrajectoryLinker:
 
     def _has_children(self, turn_id: str) -> bool:
         return self.session.exec(select(Turn.id).where(Turn.parent_turn_id == turn_id).limit(1)).first() is not None
+
+    def _owned_by(self, trajectory_id: str, client_key_id: str | None) -> bool:
+        """An explicit id binds only within one client key: key B cannot append to key A's trajectory."""
+        existing = self._trajectory(trajectory_id)
+        if existing is None or existing.client_key_id == client_key_id:
+            return True
+        log.warning("explicit trajectory id %s belongs to another client key; starting a new trajectory",
+                    trajectory_id)
+        return False
 
     def _trajectory(self, trajectory_id: str) -> Trajectory | None:
         if trajectory_id not in self._trajectories:

@@ -80,8 +80,10 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
     tools = request.get("tools")
     usage = exchange.response.get("usage") or {}
     prompt_ids = exchange.response.get("prompt_token_ids")
+    choices = exchange.response.get("choices") or []
+    single_choice_tokens = int(usage.get("completion_tokens") or 0) if len(choices) == 1 else 0
     out: list[PreparedTurn] = []
-    for choice in exchange.response.get("choices") or ():
+    for choice in choices:
         message = _response_message(choice, exchange.endpoint)
         stored_message = redactor.message(message) if redactor else message
         redacted = request_changed or stored_message != message
@@ -112,7 +114,7 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
             "completion_token_ids": None if redacted else completion_ids,
             "completion_logprobs": None if redacted else _sampled_logprobs(choice),
             "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": len(completion_ids) if completion_ids else 0,
+            "completion_tokens": len(completion_ids) if completion_ids else single_choice_tokens,
             "h_ctx": h_ctx,
             "h_out": extend_hash(h_ctx, stored_message),
             "task_key": exchange.task or task_key(redacted_messages, tools),

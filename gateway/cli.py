@@ -20,7 +20,8 @@ from gateway.cli_trajectories import trajectories_app
 from gateway.config import Settings, load_settings
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None)
 
 app.add_typer(trajectories_app, name="trajectories")
 

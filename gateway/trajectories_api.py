@@ -122,6 +122,8 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
         reason = body.get("reason") or reason
         if not isinstance(reason, str):
             raise BadRequest("Invalid value for 'reason': expected a string.", param="reason", code="invalid_type")
+    if state.recorder is not None:
+        await state.recorder.flush()  # the turn answered a moment ago must be in before the close
     found = await _run(queries.get_trajectory, store, trajectory_id)
     if found is None or (key_id is not None and found["client_key_id"] != key_id):
         raise _not_found(trajectory_id)  # another key's trajectory is not even admitted to exist
