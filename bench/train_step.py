@@ -55,6 +55,8 @@ class Args:
     """model directory; empty: build the tiny model in a temporary directory"""
     seed: int = 0
     """seeds data, LoRA init and sampling"""
+    repeats: int = 3
+    """pairs of runs (captured then generate); medians are reported: CI machines share their cores"""
     mode: str = "both"
     """both (parent: runs the two children and compares) | captured | generate (one child)"""
     json_out: str = ""
@@ -204,25 +206,29 @@ def main() -> None:
             from trainer.tiny_model import build_tiny_model
 
             args.model = str(build_tiny_model(Path(tmp) / "tiny", seed=args.seed))
-        results = {}
-        for mode in ("captured", "generate"):
-            child = [sys.executable, __file__, "--mode", mode,
-                     *[x for f in fields(Args) if f.name != "mode"
-                       for x in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]]
-            done = subprocess.run(child, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise SystemExit(f"{mode} failed:\n{done.stderr[-4000:]}")
-            results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    captured, generate = results["captured"], results["generate"]
-    summary = {"args": asdict(args), "captured": captured, "generate": generate,
-               "tokens_per_s_ratio": captured["tokens_per_s"] / generate["tokens_per_s"],
-               "step_time_ratio": generate["median_step_s"] / captured["median_step_s"]}
+        runs: dict[str, list[dict[str, Any]]] = {"captured": [], "generate": []}
+        for _ in range(args.repeats):
+            for mode in ("captured", "generate"):
+                child = [sys.executable, __file__, "--mode", mode,
+                         *[x for f in fields(Args) if f.name != "mode"
+                           for x in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]]
+                done = subprocess.run(child, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise SystemExit(f"{mode} failed:\n{done.stderr[-4000:]}")
+                runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    captured, generate = ({key: statistics.median(r[key] for r in runs[mode]) if key != "mode" else mode
+                           for key in runs[mode][0]} for mode in ("captured", "generate"))
+    pairs = list(zip(runs["captured"], runs["generate"], strict=True))
+    summary = {"args": asdict(args), "captured": captured, "generate": generate, "runs": runs,
+               # ratios of runs made back to back (same machine load), then their median
+               "tokens_per_s_ratio": statistics.median(c["tokens_per_s"] / g["tokens_per_s"] for c, g in pairs),
+               "step_time_ratio": statistics.median(g["median_step_s"] / c["median_step_s"] for c, g in pairs)}
     print(f"{'mode':<10}{'tokens/s':>12}{'median step s':>15}{'train s':>10}{'round s':>10}{'peak RSS MiB':>14}")
     for r in (captured, generate):
         print(f"{r['mode']:<10}{r['tokens_per_s']:>12.0f}{r['median_step_s']:>15.3f}{r['train_seconds']:>10.2f}"
               f"{r['round_seconds']:>10.2f}{r['peak_rss_mib']:>14.0f}")
-    print(f"captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x; "
-          f"step time generate / captured: {summary['step_time_ratio']:.2f}x")
+    print(f"medians of {args.repeats} runs each; captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x, "
+          f"step time generate / captured: {summary['step_time_ratio']:.2f}x (medians of back-to-back pairs)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from gateway import cli_jobs
 from gateway.cli_trajectories import trajectories_app
 from gateway.config import Settings, load_settings
 
@@ -24,6 +25,8 @@ app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from 
                   rich_markup_mode=None)
 
 app.add_typer(trajectories_app, name="trajectories")
+app.command("groups")(cli_jobs.groups)
+app.command("score")(cli_jobs.score)
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
 

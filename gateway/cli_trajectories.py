@@ -72,7 +72,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 _PAGE = 1000  # trajectories per request when walking a whole selection
 
 
-def _fail(message: str) -> NoReturn:
+def fail_cli(message: str) -> NoReturn:
     # Imported here, not at the top: gateway.cli imports this module to register the commands.
     from gateway.cli import fail
 
@@ -80,7 +80,7 @@ def _fail(message: str) -> NoReturn:
     raise AssertionError("unreachable")
 
 
-def _settings(config: Path | None, data_dir: Path | None) -> Settings:
+def cli_settings(config: Path | None, data_dir: Path | None) -> Settings:
     from gateway.cli import settings_or_exit
 
     return settings_or_exit(config, data_dir=data_dir)
@@ -124,7 +124,7 @@ class ApiBackend:
         try:
             response = self.client.request(method, path, params=params)
         except httpx.HTTPError as exc:
-            _fail(f"gateway at {self.where} failed: {exc}")
+            fail_cli(f"gateway at {self.where} failed: {exc}")
         if response.status_code == 404 and _error_code(response) == "not_found":
             return None
         if response.status_code >= 400:
@@ -132,7 +132,7 @@ class ApiBackend:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
-            _fail(f"gateway answered {response.status_code}: {message}")
+            fail_cli(f"gateway answered {response.status_code}: {message}")
         body: dict[str, Any] = response.json()
         return body
 
@@ -225,7 +225,7 @@ class StoreBackend:
         try:
             result = export_parquet(self.store, out_dir, flt)
         except ExportError as exc:
-            _fail(str(exc))
+            fail_cli(str(exc))
         progress.update(task, completed=len(ids))
         return result
 
@@ -237,7 +237,7 @@ def _query_errors() -> Iterator[None]:
     try:
         yield
     except QueryError as exc:
-        _fail(str(exc))
+        fail_cli(str(exc))
 
 
 @dataclass
@@ -251,26 +251,45 @@ class Target:
     database: str | None
 
 
-@contextmanager
-def connect(target: Target) -> Iterator[Backend]:
-    """The gateway's admin API, or the store file when no gateway answers (see the module docstring)."""
+@dataclass
+class Location:
+    """Where a command's data lives: a running gateway (``url``) or a store file (``database``)."""
+
+    settings: Settings
+    url: str | None = None
+    admin_key: str | None = None
+    database: str | None = None
+
+
+def locate(target: Target) -> Location:
+    """The gateway's admin API when it answers, otherwise the store file (see the module docstring)."""
     if target.gateway and (target.database or target.data_dir):
-        _fail("--gateway reads through a running gateway; --database/--data-dir open a file: choose one")
-    settings = _settings(target.config, target.data_dir)
+        fail_cli("--gateway reads through a running gateway; --database/--data-dir open a file: choose one")
+    settings = cli_settings(target.config, target.data_dir)
     if not (target.database or target.data_dir):
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
         url = target.gateway or f"http://{host}:{settings.port}"
         if _answers(url):
             admin = settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None
-            backend = ApiBackend(url, target.admin_key or os.environ.get("FLYWHEEL_ADMIN_KEY") or admin)
-            try:
-                yield backend
-            finally:
-                backend.client.close()
-            return
+            return Location(settings, url=url, admin_key=target.admin_key or os.environ.get("FLYWHEEL_ADMIN_KEY")
+                            or admin)
         if target.gateway:
-            _fail(f"no gateway answers at {url}")
-    store = _open_store(target.database or settings.database)
+            fail_cli(f"no gateway answers at {url}")
+    return Location(settings, database=target.database or settings.database)
+
+
+@contextmanager
+def connect(target: Target) -> Iterator[Backend]:
+    """A backend for the trajectory commands, over the located gateway or file."""
+    location = locate(target)
+    if location.url is not None:
+        backend = ApiBackend(location.url, location.admin_key)
+        try:
+            yield backend
+        finally:
+            backend.client.close()
+        return
+    store = open_store(location.database or location.settings.database)
     try:
         yield StoreBackend(store)
     finally:
@@ -285,21 +304,21 @@ def _answers(url: str) -> bool:
     return True
 
 
-def _open_store(database: str) -> Store:
+def open_store(database: str) -> Store:
     from capture.store import SchemaError, Store, database_url
 
     url = database_url(database)
     if url.startswith("duckdb:///") and not Path(url.removeprefix("duckdb:///")).is_file():
-        _fail(f"no store at {url.removeprefix('duckdb:///')} (is a gateway running elsewhere? pass --gateway URL)")
+        fail_cli(f"no store at {url.removeprefix('duckdb:///')} (is a gateway running elsewhere? pass --gateway URL)")
     try:
         return Store(database)
     except SchemaError as exc:
-        _fail(str(exc))
+        fail_cli(str(exc))
     except Exception as exc:
         message = str(exc).splitlines()[0]
         if "lock" in message.lower():
-            _fail(f"the store is open in another process (a gateway?); use --gateway URL. ({message})")
-        _fail(f"cannot open the store {database}: {message}")
+            fail_cli(f"the store is open in another process (a gateway?); use --gateway URL. ({message})")
+        fail_cli(f"cannot open the store {database}: {message}")
 
 
 def _filters(alias: str | None, since: str | None, until: str | None, status: str | None, task: str | None,
@@ -380,7 +399,7 @@ def show_command(trajectory_id: Annotated[str, typer.Argument(help="The trajecto
     with connect(Target(config, gateway, admin_key, data_dir, database)) as backend:
         detail = backend.detail(trajectory_id)
     if detail is None:
-        _fail(f"no trajectory {trajectory_id!r}")
+        fail_cli(f"no trajectory {trajectory_id!r}")
     if as_json:
         typer.echo(json.dumps(detail, indent=2))
         return
@@ -435,11 +454,11 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
     from capture.export import FORMATS
 
     if fmt not in FORMATS:
-        _fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        fail_cli(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if fmt != "parquet" and out.is_dir():
-        _fail(f"--out {out} is a directory; {fmt} export writes one JSON Lines file")
+        fail_cli(f"--out {out} is a directory; {fmt} export writes one JSON Lines file")
     if fmt == "parquet" and out.exists() and not out.is_dir():
-        _fail(f"--out {out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
+        fail_cli(f"--out {out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
     filters = _filters(alias, since, until, status, task, has_reward, client_key_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=_console(stderr=True))
@@ -487,17 +506,17 @@ def delete_command(trajectory_id: Annotated[str | None, typer.Argument(help="The
     Example: flywheel trajectories delete --client-key-id key_0123456789ab --yes
     """
     if (trajectory_id is None) == (client_key_id is None):
-        _fail("give a trajectory id or --client-key-id (one of them)")
+        fail_cli("give a trajectory id or --client-key-id (one of them)")
     what = f"trajectory {trajectory_id}" if trajectory_id else f"everything of client key {client_key_id}"
     if not yes:
         if not sys.stdin.isatty():
-            _fail(f"refusing to delete {what} without --yes (no terminal to ask)")
+            fail_cli(f"refusing to delete {what} without --yes (no terminal to ask)")
         typer.confirm(f"Delete {what}?", abort=True)
     with connect(Target(config, gateway, admin_key, data_dir, database)) as backend:
         if trajectory_id is not None:
             found = backend.delete(trajectory_id)
             if found is None:
-                _fail(f"no trajectory {trajectory_id!r}")
+                fail_cli(f"no trajectory {trajectory_id!r}")
         else:
             assert client_key_id is not None
             found = backend.delete_client(client_key_id)

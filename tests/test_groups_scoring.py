@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +159,28 @@ def test_failed_judge_leaves_the_group_unscored(tmp_path: Path, servers: tuple[S
     assert (first["scored"], first["failed"]) == (0, 1)
     second = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
     assert (second["scored"], second["failed"]) == (1, 0)  # tried again, the judge behaves now
+
+
+def test_cli_groups_and_score_through_the_gateway_and_on_the_file(
+        tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    for question in ("first", "second"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": question}],
+                                       extra_headers={"X-Flywheel-Fork": "1"})
+
+    def flywheel(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway", *args, "--config", str(gateway.config_file)],
+                              capture_output=True, text=True, timeout=120)
+
+    through_api = flywheel("groups", "--gateway", gateway.url, "--admin-key", "admin")
+    assert through_api.returncode == 0 and through_api.stdout.strip() == "formed 2 groups (2 fork)"
+    database = str(gateway.dir / "data" / "flywheel.duckdb")
+    gateway.stop()
+    on_file = flywheel("score", "--database", database)
+    assert on_file.returncode == 0, on_file.stderr
+    assert on_file.stdout.startswith("scored 2/2 groups (4 trajectories), 0 failed")
+    assert len(judge.requests) == 2
+    again = flywheel("score", "--database", database)
+    assert again.stdout.startswith("scored 0/0 groups") and len(judge.requests) == 2
