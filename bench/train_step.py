@@ -1,8 +1,8 @@
 """Training-step throughput: GRPO on captured groups vs TRL's GRPOTrainer generating its own completions.
 
-    .venv/bin/python bench/train_step.py                      # tiny model, CPU, both modes, then the ratio
-    .venv/bin/python bench/train_step.py --groups 8 --group-size 8 --completion-tokens 64 --steps 8
-    .venv/bin/python bench/train_step.py --model /path/to/Qwen2.5-0.5B-Instruct   # a real model (GPU if any)
+    python -m bench.train_step                     # tiny model, CPU, 3 x both modes (~3 min on 2 busy cores)
+    python -m bench.train_step --repeats 1 --groups 8 --completion-tokens 64 --json-out train_step.json
+    python -m bench.train_step --model /path/to/Qwen2.5-0.5B-Instruct   # a real model (bf16 on a GPU)
 
 Both modes train the same model with the same LoRA (r 16, all linear layers), batch shape
 (``groups`` prompts x ``group_size`` completions, ``per_device_train_batch_size`` = one group,
@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent  # the children run as `python -m bench.train_step` from here
+
 
 @dataclass
 class Args:
@@ -55,6 +57,8 @@ class Args:
     """model directory; empty: build the tiny model in a temporary directory"""
     seed: int = 0
     """seeds data, LoRA init and sampling"""
+    threads: int = 0
+    """torch CPU threads per child (0: torch's default); 1 is steadier on a machine shared with other jobs"""
     repeats: int = 3
     """pairs of runs (captured then generate); medians are reported: CI machines share their cores"""
     mode: str = "both"
@@ -195,6 +199,10 @@ def run_generate(args: Args) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
+    if args.threads > 0 and args.mode != "both":
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.mode == "captured":
         print(json.dumps(run_captured(args)))
         return
@@ -209,10 +217,10 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"captured": [], "generate": []}
         for _ in range(args.repeats):
             for mode in ("captured", "generate"):
-                child = [sys.executable, __file__, "--mode", mode,
+                child = [sys.executable, "-m", "bench.train_step", "--mode", mode,
                          *[x for f in fields(Args) if f.name != "mode"
                            for x in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]]
-                done = subprocess.run(child, capture_output=True, text=True, check=False)
+                done = subprocess.run(child, capture_output=True, text=True, check=False, cwd=ROOT)
                 if done.returncode != 0:
                     raise SystemExit(f"{mode} failed:\n{done.stderr[-4000:]}")
                 runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))

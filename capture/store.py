@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, func, inspect
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
@@ -98,15 +99,14 @@ class Store:
         prepared = list(prepared)
         with self.session() as session:
             known = set(session.exec(select(Turn.id).where(col(Turn.id).in_([p.row["id"] for p in prepared]))))
+            todo = [item for item in prepared if item.row["id"] not in known]
             linker = TrajectoryLinker(session)
-            written = 0
-            for item in prepared:
-                if item.row["id"] in known:
-                    continue
-                linker.link_and_add(item)
-                written += 1
+            linker.prefetch(todo)
+            for item in todo:
+                linker.link(item)
+            linker.add_all()
             session.commit()
-        return written
+        return len(todo)
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
         """Close open trajectories with no new turn for ``idle_s`` seconds."""
@@ -142,25 +142,69 @@ class _Candidate:
     turn_id: str
     trajectory_id: str
     depth: int
+    client_key_id: str | None
     has_children: bool
 
 
 class TrajectoryLinker:
-    """Finds the trajectory (and the parent turn) a new turn continues (DESIGN §4).
+    """Finds the trajectory (and the parent turn) each new turn of a batch continues (DESIGN §4).
 
     The request's assistant messages are walked from the last one back; each prefix
-    ending at one is probed against the indexed ``turns.h_out`` column. Among stored
+    ending at one is looked up by its hash in ``turns.h_out`` (indexed). Among stored
     turns with that hash (same client key), an unclaimed one (no child yet) is
     continued, oldest first, so identical conversations are claimed one each instead
     of merged; if all are claimed, the client rewound or retried and the new turn
     starts a branch. An explicit trajectory id skips the guessing.
+
+    :meth:`prefetch` reads every candidate a batch can need in one indexed query
+    (``h_out IN (...)``); linking then runs in memory, and turns of the same batch see
+    each other. Per request that is O(messages) hashing and one probe per assistant
+    message, never a scan.
     """
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self._trajectories: dict[str, Trajectory] = {}
+        self._by_hash: dict[str, list[_Candidate]] = {}
+        self._latest: dict[str, _Candidate] = {}  # explicit trajectories' latest turns
+        self._candidates: dict[str, _Candidate] = {}  # by turn id
+        self.turns: list[Turn] = []
 
-    def link_and_add(self, item: PreparedTurn) -> Turn:
+    def prefetch(self, batch: list[PreparedTurn]) -> None:
+        hashes = sorted({h for item in batch for h in item.assistant_prefix_hashes})
+        columns = (col(Turn.id), col(Turn.trajectory_id), col(Turn.depth), col(Turn.client_key_id))
+        found: list[tuple[str, _Candidate]] = []
+        for chunk in _chunks(hashes, 500):
+            rows = self.session.execute(sa_select(*columns, col(Turn.h_out)).where(col(Turn.h_out).in_(chunk))
+                                        .order_by(col(Turn.created_at), col(Turn.id)))
+            found += [(h_out, self._candidate(turn_id, trajectory_id, depth, key))
+                      for turn_id, trajectory_id, depth, key, h_out in rows]
+        wanted = sorted({c.trajectory_id for _, c in found} |
+                        {item.explicit_trajectory_id for item in batch if item.explicit_trajectory_id})
+        for chunk in _chunks(wanted, 500):
+            for trajectory in self.session.exec(select(Trajectory).where(col(Trajectory.id).in_(chunk))):
+                self._trajectories[trajectory.id] = trajectory
+        latest_ids = sorted(t.latest_turn_id for t in self._trajectories.values() if t.explicit and t.latest_turn_id)
+        for chunk in _chunks(latest_ids, 500):
+            for turn_id, trajectory_id, depth, key in self.session.execute(sa_select(*columns)
+                                                                           .where(col(Turn.id).in_(chunk))):
+                self._latest[trajectory_id] = self._candidate(turn_id, trajectory_id, depth, key)
+        # Which candidates already have a child (claimed): a second indexed lookup, by parent id.
+        by_id = self._candidates
+        for chunk in _chunks(sorted(by_id), 500):
+            for (parent_id,) in self.session.execute(sa_select(col(Turn.parent_turn_id)).distinct()
+                                                     .where(col(Turn.parent_turn_id).in_(chunk))):
+                by_id[parent_id].has_children = True
+        for h_out, candidate in found:
+            self._by_hash.setdefault(h_out, []).append(candidate)
+
+    def _candidate(self, turn_id: str, trajectory_id: str, depth: int, key: str | None) -> _Candidate:
+        """One object per stored turn, so marking it claimed is seen by every path that found it."""
+        if turn_id not in self._candidates:
+            self._candidates[turn_id] = _Candidate(turn_id, trajectory_id, depth, key, False)
+        return self._candidates[turn_id]
+
+    def link(self, item: PreparedTurn) -> Turn:
         row = item.row
         parent: _Candidate | None = None
         if row["source"] == "fork":  # a sibling the client never saw: its own one-turn trajectory
@@ -171,20 +215,29 @@ class TrajectoryLinker:
         else:
             parent = self._find_parent(item.assistant_prefix_hashes, row["client_key_id"])
             trajectory_id = parent.trajectory_id if parent else new_id("traj")
-            existing = self._trajectory(trajectory_id) if parent else None
+            existing = self._trajectories.get(trajectory_id) if parent else None
             if existing is not None and existing.status == "closed":
                 trajectory_id = new_id("traj")  # closed ones are never reopened; parent_turn_id keeps the history
         turn = Turn(**row, trajectory_id=trajectory_id, parent_turn_id=parent.turn_id if parent else None,
                     depth=parent.depth + 1 if parent else 0)
-        self.session.add(turn)
         self._touch_trajectory(turn, explicit=trajectory_id == item.explicit_trajectory_id,
                                branched=parent is not None and parent.has_children)
-        self.session.flush()  # later turns of the same batch must see this one
+        if parent is not None:
+            parent.has_children = True
+        mine = _Candidate(turn.id, trajectory_id, turn.depth, turn.client_key_id, False)
+        self._by_hash.setdefault(turn.h_out, []).append(mine)  # later turns of this batch see this one
+        self._latest[trajectory_id] = mine
+        self.turns.append(turn)
         return turn
+
+    def add_all(self) -> None:
+        """Hand the batch's new turns and touched trajectories to the session (one flush at commit)."""
+        self.session.add_all(self.turns)
+        self.session.add_all(self._trajectories.values())
 
     def _find_parent(self, prefix_hashes: list[str], client_key_id: str | None) -> _Candidate | None:
         for h in prefix_hashes:
-            candidates = self._candidates(h, client_key_id)
+            candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == client_key_id]
             if candidates:
                 unclaimed = [c for c in candidates if not c.has_children]
                 return unclaimed[0] if unclaimed else candidates[-1]
@@ -192,53 +245,28 @@ class TrajectoryLinker:
 
     def _parent_in(self, trajectory_id: str, prefix_hashes: list[str]) -> _Candidate | None:
         for h in prefix_hashes:
-            found = [c for c in self._candidates(h, None, trajectory_id=trajectory_id)]
+            found = [c for c in self._by_hash.get(h, ()) if c.trajectory_id == trajectory_id]
             if found:
                 return found[-1]
-        latest = self.session.exec(select(Turn).where(Turn.trajectory_id == trajectory_id)
-                                   .order_by(col(Turn.created_at).desc()).limit(1)).first()
-        if latest is None:
-            return None
-        return _Candidate(latest.id, trajectory_id, latest.depth, self._has_children(latest.id))
-
-    def _candidates(self, h_out: str, client_key_id: str | None, *,
-                    trajectory_id: str | None = None) -> list[_Candidate]:
-        """Stored turns whose prompt + answer hash to ``h_out``, oldest first."""
-        query = select(Turn.id, Turn.trajectory_id, Turn.depth).where(Turn.h_out == h_out)
-        if trajectory_id is not None:
-            query = query.where(Turn.trajectory_id == trajectory_id)
-        else:
-            query = query.where(col(Turn.client_key_id).is_not_distinct_from(client_key_id))
-        rows = self.session.exec(query.order_by(col(Turn.created_at), col(Turn.id))).all()
-        return [_Candidate(turn_id, traj, depth, self._has_children(turn_id)) for turn_id, traj, depth in rows]
-
-    def _has_children(self, turn_id: str) -> bool:
-        return self.session.exec(select(Turn.id).where(Turn.parent_turn_id == turn_id).limit(1)).first() is not None
+        return self._latest.get(trajectory_id)
 
     def _owned_by(self, trajectory_id: str, client_key_id: str | None) -> bool:
         """An explicit id binds only within one client key: key B cannot append to key A's trajectory."""
-        existing = self._trajectory(trajectory_id)
+        existing = self._trajectories.get(trajectory_id)
         if existing is None or existing.client_key_id == client_key_id:
             return True
         log.warning("explicit trajectory id %s belongs to another client key; starting a new trajectory",
                     trajectory_id)
         return False
 
-    def _trajectory(self, trajectory_id: str) -> Trajectory | None:
-        if trajectory_id not in self._trajectories:
-            found = self.session.get(Trajectory, trajectory_id)
-            if found is None:
-                return None
-            self._trajectories[trajectory_id] = found
-        return self._trajectories[trajectory_id]
-
     def _touch_trajectory(self, turn: Turn, *, explicit: bool, branched: bool) -> None:
-        trajectory = self._trajectory(turn.trajectory_id)
+        trajectory = self._trajectories.get(turn.trajectory_id)
         if trajectory is None:
             trajectory = Trajectory(id=turn.trajectory_id, alias=turn.alias, explicit=explicit,
                                     client_key_id=turn.client_key_id, task_key=turn.task_key,
                                     group_key=turn.group_key, created_at=turn.created_at,
                                     extra_metadata=turn.request_metadata)
+            self._trajectories[turn.trajectory_id] = trajectory
         if trajectory.status == "closed":  # only an explicit id gets here: the client chose to continue it
             trajectory.status, trajectory.closed_at, trajectory.close_reason = "open", None, None
         if turn.source == "fork":
@@ -248,5 +276,8 @@ class TrajectoryLinker:
         trajectory.latest_turn_id = turn.id
         trajectory.updated_at = turn.created_at
         trajectory.group_key = trajectory.group_key or turn.group_key
-        self._trajectories[turn.trajectory_id] = trajectory
-        self.session.add(trajectory)
+
+
+def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

@@ -492,6 +492,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
                               "init_adapter": str(init_adapter) if init_adapter else None}
 
     if micro_batches < 1:
+        if plan.slots:  # groups left, but fewer sequences than one micro-batch across the devices
+            skipped["batch_too_small"] = {"groups": len(plan.slots), "members": sum(map(len, plan.slots))}
         finished = _utcnow()
         metrics = {k: float(v) for k, v in batch.stats().items()}
         return RoundResult("skipped", None, None, metrics, [], config, [], skipped, base,
