@@ -529,7 +529,7 @@ def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str,
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
+    console = Console(width=150, markup=False, highlight=False)  # plain text: "[bench]" is not a style
     console.print(f"\nmachine: {info['cpus']} cores ({info['cpu_model']}), loopback, Python {info['python']}; "
                   f"the load generator runs on the same cores as the servers")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v))
@@ -571,7 +571,7 @@ def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str,
         console.print(f"LiteLLM not measured: {litellm_missing}")
     verdicts = [verdict_line(results, name) for name in ("flywheel", NO_CAPTURE) if name in results]
     for line in verdicts:
-        console.print(line, highlight=False)
+        console.print(line)
     return verdicts
 
 

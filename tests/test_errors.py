@@ -107,5 +107,6 @@ def test_upstream_failures_are_502_and_504(relay_gateway: GatewayProcess) -> Non
     down = httpx.post(f"{relay_gateway.url}/v1/chat/completions", json={"model": "down", "messages": HI}, timeout=30)
     assert_openai_error(down, 502)
     slow = httpx.post(f"{relay_gateway.url}/v1/chat/completions",
-                      json={"model": "impatient", "messages": HI, "max_tokens": 1500}, timeout=30)
+                      json={"model": "impatient", "messages": HI, "max_tokens": 1500, "ignore_eos": True},
+                      timeout=30)
     assert_openai_error(slow, 504, code="timeout")

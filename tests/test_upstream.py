@@ -79,7 +79,8 @@ def test_upstream_down_is_502(relay: openai.OpenAI) -> None:
 
 def test_upstream_slower_than_timeout_is_504(relay: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as failure:
-        relay.chat.completions.create(model="impatient", messages=HI, max_tokens=1500)
+        relay.chat.completions.create(model="impatient", messages=HI, max_tokens=1500,
+                                      extra_body={"ignore_eos": True})
     assert failure.value.status_code == 504
     assert failure.value.body["code"] == "timeout"  # type: ignore[index]
 

@@ -6,8 +6,9 @@ runs (``train_round``) or the tiny model is built.
     from trainer import GRPOArgs, build_samples, train_round, adapters
 """
 
+from typing import TYPE_CHECKING, Any
+
 from trainer import adapters
-from trainer.grpo import CapturedRollout, GroupPlan, GRPOArgs, RoundResult, passthrough_reward, plan_groups, train_round
 from trainer.samples import (
     AdvantageScale,
     Sample,
@@ -20,6 +21,29 @@ from trainer.samples import (
     member_sequences,
     turn_tokens,
 )
+
+if TYPE_CHECKING:
+    from trainer.grpo import (
+        CapturedRollout,
+        GroupPlan,
+        GRPOArgs,
+        RoundResult,
+        passthrough_reward,
+        plan_groups,
+        train_round,
+    )
+
+_GRPO = {"CapturedRollout", "GroupPlan", "GRPOArgs", "RoundResult", "passthrough_reward", "plan_groups", "train_round"}
+
+
+def __getattr__(name: str) -> Any:
+    # trainer.grpo on first use: `python -m trainer.grpo` must not find it imported by the package already.
+    if name in _GRPO:
+        from trainer import grpo
+
+        return getattr(grpo, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+
 
 __all__ = [
     "AdvantageScale",

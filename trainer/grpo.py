@@ -314,6 +314,7 @@ def captured_trainer_class() -> type:
             return output
 
         def _policy_logps(self, output: dict[str, Any]) -> Any:
+            """Per-token logprobs of the batch's completions under the current policy, no gradient."""
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             model: Any = self.model
@@ -361,6 +362,11 @@ def _target_modules(model: Any, spec: list[str] | str) -> list[str] | str:
     return sorted(names)
 
 
+def _checkpointing(args: GRPOArgs) -> dict[str, Any]:
+    # transformers 5 warns that gradient_checkpointing is deprecated whenever it is passed: pass it only when on.
+    return {"gradient_checkpointing": True} if args.gradient_checkpointing else {}
+
+
 def _optimizer_param_names(trainer: Any) -> list[list[str]]:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     return [[names.get(id(p), "?") for p in group["params"]] for group in trainer.optimizer.param_groups]
@@ -383,12 +389,12 @@ def _load_optimizer_state(trainer: Any, path: str | Path | None) -> str:
 
 def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: SampleBatch, plan: GroupPlan,
                    rollout: CapturedRollout, args: GRPOArgs) -> tuple[dict[str, float], list[dict[str, float]]]:
-    steps = [{k: float(v) for k, v in h.items() if isinstance(v, int | float)}
+    steps = [{k: float(v) for k, v in h.items() if isinstance(v, int | float) and math.isfinite(v)}
              for h in log_history if "loss" in h and "train_runtime" not in h]
     final: dict[str, Any] = next((h for h in reversed(log_history) if "train_runtime" in h), {})
 
     def mean(key: str) -> float:
-        values = [s[key] for s in steps if key in s and not math.isnan(s[key])]
+        values = [s[key] for s in steps if key in s]
         return sum(values) / len(values) if values else float("nan")
 
     seconds = float(final.get("train_runtime", float("nan")))
@@ -421,7 +427,8 @@ def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: S
         metrics[key] = metrics.get(key, 0.0) + (0 if skip.reason == "trimmed" else 1)
         key = f"samples/skipped_members/{skip.reason}"
         metrics[key] = metrics.get(key, 0.0) + skip.members
-    return metrics, steps
+    # Unknown stays absent: NaN is not JSON, and the store's JSON columns must take these.
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}, steps
 
 
 def _skip_counts(skipped: list[Skipped]) -> dict[str, dict[str, int]]:
@@ -526,8 +533,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
             per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-            # transformers 5 warns that gradient_checkpointing is deprecated whenever it is passed: only when on
-            **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
+            **_checkpointing(args),
             num_generations=g, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations,

@@ -67,6 +67,7 @@ class Sampling:
     top_logprobs: int = 0
     adapter: str | None = None  # None: the base model
     hold_tool_calls: bool = False  # chat with tools: stream must not leak <tool_call> text
+    ignore_eos: bool = False  # vLLM's extension: keep sampling past EOS until max_tokens
 
 
 @dataclass
@@ -324,7 +325,7 @@ class _Choice:
     def add(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> _Delta | None:
         self.token_count += 1
         self.pending.append(_Token(token_id, logprob, top, len(self.text)))
-        if token_id in self.eos_ids:
+        if token_id in self.eos_ids and not self.sampling.ignore_eos:
             self.finish_reason = "stop"
         else:
             self.text += self.detokenizer.add(token_id)
@@ -816,7 +817,7 @@ class LocalEngine:
             n=n, stop=_stops(body), seed=_integer(body, "seed", -(1 << 63)),
             logprobs=logprobs, top_logprobs=top_logprobs,
             adapter=model if isinstance(model, str) and model in self._adapters else None,
-            hold_tool_calls=hold_tool_calls)
+            hold_tool_calls=hold_tool_calls, ignore_eos=bool(body.get("ignore_eos")))
 
     @staticmethod
     def _stream_usage(body: Body) -> bool:
