@@ -47,7 +47,8 @@ class Store:
         self.url = database_url(url)
         if self.url.startswith("duckdb:///"):
             Path(self.url.removeprefix("duckdb:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.engine: Engine = create_engine(self.url)
+        # One JSON text form for every writer (ORM, Core, the Arrow bulk path): compact orjson.
+        self.engine: Engine = create_engine(self.url, json_serializer=_json_text)
         self.migrate()
 
     def close(self) -> None:
