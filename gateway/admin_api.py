@@ -22,6 +22,7 @@ router = APIRouter(prefix="/flywheel/v1")
 
 class AdapterSwitch(BaseModel):
     path: str | None  # a PEFT adapter directory the engine can read; null serves the base model
+    version: int | None = None  # the engine name becomes alias@version (default: the next number)
 
 
 def alias_info(served: ServedModel) -> dict[str, object]:
@@ -50,5 +51,5 @@ async def switch_alias_adapter(alias: str, request: Request) -> Response:
     if path is not None and not (Path(path) / "adapter_config.json").is_file():
         raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {path} (adapter_config.json missing)",
                          param="path")
-    served = await state.router.switch_adapter(alias, path)
+    served = await state.router.switch_adapter(alias, path, version=body.get("version"))
     return Response(orjson.dumps(alias_info(served)), media_type="application/json")

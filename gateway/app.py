@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from capture.recorder import Recorder, Spool
 from capture.redaction import Redactor
 from capture.store import Store
-from gateway import admin_api, feedback_api, openai_api, stored_api, trajectories_api
+from gateway import admin_api, feedback_api, openai_api, stored_api, training_api, trajectories_api
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.engines.base import Engine
@@ -30,6 +30,7 @@ from gateway.errors import BadRequest, OpenAIError
 from gateway.protocol import format_param
 from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
+from gateway.training import promoted_version
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -60,12 +61,15 @@ async def start_gateway(settings: Settings) -> GatewayState:
         served[alias] = ServedModel(alias=alias, engine_name=cfg.engine, engine=engines[cfg.engine],
                                     base_model=base)
     router = ModelRouter(settings.routing, served)
+    store = await asyncio.to_thread(Store, settings.database)
     for alias, cfg in settings.aliases.items():
+        promoted = None if cfg.adapter else await asyncio.to_thread(promoted_version, store, alias)
         if cfg.adapter:
             await router.switch_adapter(alias, cfg.adapter)
+        elif promoted is not None:  # what training promoted last time keeps being served after a restart
+            await router.switch_adapter(alias, promoted.path, version=promoted.version)
     auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
                          settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
-    store = await asyncio.to_thread(Store, settings.database)
     redaction = settings.capture.redaction
     redactor = Redactor(builtin=redaction.builtin, patterns=redaction.patterns) \
         if redaction.builtin or redaction.patterns else None
@@ -121,6 +125,7 @@ def build_app(settings: Settings) -> FastAPI:
     app.include_router(stored_api.router)
     app.include_router(trajectories_api.router)
     app.include_router(feedback_api.router)
+    app.include_router(training_api.router)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]

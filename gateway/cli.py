@@ -27,6 +27,7 @@ app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from 
 app.add_typer(trajectories_app, name="trajectories")
 app.command("groups")(cli_jobs.groups)
 app.command("score")(cli_jobs.score)
+app.command("train")(cli_jobs.train)
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
 

@@ -30,12 +30,13 @@ from gateway.cli_trajectories import (
 )
 
 
-def admin_post(location: Location, path: str, params: dict[str, str] | None = None,
-               timeout_s: float = 3600.0) -> dict[str, Any]:
+def admin_post(location: Location, path: str, params: dict[str, str] | None = None, *,
+               json_body: dict[str, Any] | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
     """POST to the located gateway's admin API; a failure is a one-line CLI error."""
     headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
     try:
-        response = httpx.post(f"{location.url}{path}", params=params, headers=headers, timeout=timeout_s)
+        response = httpx.post(f"{location.url}{path}", params=params, json=json_body, headers=headers,
+                              timeout=timeout_s)
     except httpx.HTTPError as exc:
         fail_cli(f"gateway at {location.url} failed: {type(exc).__name__}")
     if response.status_code != 200:
@@ -109,3 +110,113 @@ def _score_file(location: Location, alias: str | None, limit: int | None) -> dic
         return asdict(result)
     finally:
         store.close()
+
+
+def admin_get(location: Location, path: str, params: dict[str, str]) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
+    try:
+        response = httpx.get(f"{location.url}{path}", params=params, headers=headers, timeout=600)
+    except httpx.HTTPError as exc:
+        fail_cli(f"gateway at {location.url} failed: {type(exc).__name__}")
+    if response.status_code != 200:
+        fail_cli(f"gateway answered {response.status_code}: {response.text[:300]}")
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train.")],
+          config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
+          data_dir: DataDirOption = None, database: DatabaseOption = None,
+          max_groups: Annotated[int | None, typer.Option(help="Train on at most this many groups.")] = None,
+          promote: Annotated[bool, typer.Option(help="Serve the new adapter at once (no evaluation gate).")] = False,
+          set_: Annotated[list[str] | None, typer.Option(
+              "--set", help="A GRPOArgs field for this round, e.g. --set max_steps=8 (repeatable).")] = None,
+          ) -> None:
+    """Run one GRPO round on the alias's scored groups and write adapter version N.
+
+    Example: flywheel train --alias my-agent --max-groups 32 --promote
+    """
+    from capture.batches import TrainingGroup
+    from gateway.training import (
+        base_model_path,
+        grpo_args,
+        promoted_version,
+        record_training,
+        round_to_json,
+        training_batch,
+    )
+    from trainer import adapters
+
+    location = locate(Target(config, gateway, admin_key, data_dir, database))
+    settings = location.settings
+    if alias not in settings.aliases:
+        fail_cli(f"--alias: no alias named {alias!r} in the configuration")
+    limit = max_groups or settings.train.max_groups
+    overrides = _field_values(set_ or [])
+    if location.url is not None:
+        batch = admin_get(location, "/flywheel/v1/training/batch", {"alias": alias, "max_groups": str(limit)})
+        groups = [TrainingGroup.from_json(g) for g in batch["groups"]]
+        base, current = batch["base_model"], batch["current"]
+    else:
+        store = open_store(location.database or settings.database)
+        try:
+            groups = training_batch(store, alias, limit)
+            promoted = promoted_version(store, alias)
+        finally:
+            store.close()
+        try:
+            base = base_model_path(settings, alias)
+        except ValueError as exc:
+            fail_cli(str(exc))
+        current = {"version": promoted.version, "path": promoted.path} if promoted else None
+    if not groups:
+        typer.echo(f"nothing to train: no scored groups for {alias} (run flywheel groups and flywheel score)")
+        return
+    try:
+        args = grpo_args(settings, base, overrides)
+    except TypeError as exc:
+        fail_cli(f"--set: {exc}")
+    version, out_dir = adapters.reserve_version(settings.data_dir, alias)
+    init = current["path"] if current else None
+    typer.echo(f"training {alias} on {len(groups)} groups from {init or 'a fresh LoRA'} -> version {version}",
+               err=True)
+    from trainer.grpo import train_round
+
+    result = train_round(base, groups, args, init_adapter=init, out_dir=out_dir,
+                         optimizer_state=adapters.optimizer_state_of(init))
+    if result.status != "finished":
+        adapters.discard(out_dir)
+        typer.echo(f"skipped: nothing trainable ({result.skipped})")
+        return
+    parent = current["version"] if current else None
+    if location.url is not None:
+        report = {"alias": alias, "version": version, "parent_version": parent, "promote": promote,
+                  "result": round_to_json(result)}
+        admin_post(location, "/flywheel/v1/training/rounds", json_body=report)
+    else:
+        store = open_store(location.database or settings.database)
+        try:
+            record_training(store, alias, result, version=version, parent_version=parent, promote=promote)
+        finally:
+            store.close()
+    metrics = result.metrics
+    typer.echo(f"version {version} written to {result.adapter_dir}: {len(result.group_ids)} groups, "
+               f"loss {metrics.get('losses/loss', float('nan')):.4f}, "
+               f"reward mean {metrics.get('reward/mean', float('nan')):.3f}"
+               + (", promoted" if promote else ", candidate"))
+
+
+def _field_values(pairs: list[str]) -> dict[str, Any]:
+    """``["max_steps=8", "loss_type=grpo"]`` -> typed values (JSON where it parses, else the string)."""
+    import json
+
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            fail_cli(f"--set: expected FIELD=VALUE, got {pair!r}")
+        try:
+            values[key.strip()] = json.loads(raw)
+        except ValueError:
+            values[key.strip()] = raw
+    return values

@@ -60,7 +60,8 @@ class AliasConfig(BaseModel):
 
     engine: str = "local"  # a key of [engines]
     base_model: str | None = None  # the model name the engine serves; defaults to the engine's model
-    adapter: str | None = None  # PEFT adapter directory loaded at start-up as "<alias>@0"
+    adapter: str | None = None  # PEFT adapter directory served from start-up (else its latest promoted version)
+    train_model: str | None = None  # base weights to train (directory or cached HF id); default: the local model
 
 
 class RoutingConfig(BaseModel):
@@ -122,6 +123,14 @@ class GroupsConfig(BaseModel):
     form_every_s: float = Field(default=60.0, gt=0)  # how often closed trajectories are grouped
 
 
+class TrainConfig(BaseModel):
+    """``flywheel train``: GRPO settings (trainer/grpo.py: GRPOArgs) and batch size."""
+
+    args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
+    tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)
+    max_groups: int = Field(default=64, ge=1)  # scored groups per round
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -149,6 +158,7 @@ class Settings(BaseSettings):
     groups: GroupsConfig = Field(default_factory=GroupsConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     rewards: RewardPolicy = Field(default_factory=RewardPolicy)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
     @property
     def database(self) -> str:

@@ -63,13 +63,19 @@ class ModelRouter:
     def all(self) -> list[ServedModel]:
         return list(self._served.values())
 
-    async def switch_adapter(self, alias: str, adapter_path: str | None, *,
+    async def switch_adapter(self, alias: str, adapter_path: str | None, *, version: int | None = None,
                              drain_timeout_s: float = 30.0) -> ServedModel:
-        """Serve ``alias`` from ``adapter_path`` (None: the base model), then unload the old adapter."""
+        """Serve ``alias`` from ``adapter_path`` (None: the base model), then unload the old adapter.
+
+        The adapter is loaded under a new engine name, ``alias@N``: ``version`` (an
+        ``adapter_versions`` number) when given, else one more than the current version.
+        """
         async with self._switch_lock:
             old = self.get(alias)
-            version = old.version + 1
+            version = version if version is not None else old.version + 1
             new_adapter = f"{alias}@{version}" if adapter_path else None
+            if new_adapter is not None and new_adapter == old.adapter:
+                return old  # already served
             if adapter_path and new_adapter:
                 await old.engine.load_adapter(new_adapter, adapter_path)
             new = replace(old, adapter=new_adapter, adapter_path=adapter_path, version=version, in_flight=0)

@@ -27,7 +27,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,12 +59,19 @@ def keyword_scores(prompt: str, target: str | Sequence[str] = "good") -> list[di
     return scores
 
 
+def scored_blocks(prompt: str, scorer: Callable[[str], float]) -> list[dict[str, Any]]:
+    """One score per trajectory block from ``scorer(block_text)`` (a dense reward, for learning tests)."""
+    return [{"trajectory_id": trajectory_id, "explanation": "scored by the test's reward", "score": scorer(block)}
+            for trajectory_id, block in TRAJECTORY_BLOCK.findall(prompt)]
+
+
 @dataclass
 class ScriptedJudge:
     """Context manager: a uvicorn server in a background thread on a free loopback port."""
 
     faults: list[str] = field(default_factory=list)  # consumed one per request, first to last
     target: str | Sequence[str] = "good"  # the word(s) whose count makes a trajectory better
+    scorer: Callable[[str], float] | None = None  # instead of target: score each block's text directly
     slow_s: float = 1.0  # how long a "slow" fault sleeps
     delay_s: float = 0.0  # every answer waits this long (to observe concurrency)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -116,7 +123,7 @@ class ScriptedJudge:
                                                "param": None, "code": None}}, status_code=status)
             prompt = "\n".join(str(m.get("content") or "") for m in body["messages"])
             user = next(str(m.get("content") or "") for m in body["messages"] if m["role"] == "user")
-            scores = keyword_scores(user, self.target)
+            scores = keyword_scores(user, self.target) if self.scorer is None else scored_blocks(user, self.scorer)
             content = self._misbehave(fault, scores)
             usage = {"prompt_tokens": len(prompt) // 4, "completion_tokens": 20 * len(scores)}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

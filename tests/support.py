@@ -170,3 +170,35 @@ def tool_model(root: Path) -> Path:
 def greeting_adapter(root: Path) -> Path:
     """A LoRA on the tiny model that answers GREETING_MESSAGES with ADAPTER_TEXT."""
     return memorize(tiny_dir(root), root / "greeting-lora", [(GREETING_MESSAGES, ADAPTER_TEXT)], lora=True)
+
+
+def warm_start(model_dir: Path | str, out_dir: Path | str, messages: Messages, answers: list[str], *,
+               steps: int = 60, seed: int = 0) -> Path:
+    """A short supervised warm start: for one prompt, each of ``answers`` becomes about equally likely.
+
+    A random model almost never produces a particular answer, so a reward for one of them
+    would give groups with no variance; after this the first token picks among ``answers``
+    and RL has something to choose between. Full-parameter AdamW (lr 3e-3), saved with its
+    tokenizer to ``out_dir`` (reused when already there).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = _batch(*_encode_examples(tokenizer, [(messages, a) for a in answers], None),
+                   pad_id=tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

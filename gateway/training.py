@@ -1,0 +1,114 @@
+"""One training round for an alias: scored groups in, a new adapter version out.
+
+The gateway is the composition root (DESIGN §2): it reads the batch from the store, hands
+it to the trainer (which knows nothing of serving), records the result and, when asked,
+hot-loads the new adapter. ``flywheel train`` runs a round in its own process — through
+the running gateway's admin API (``/flywheel/v1/training/...``) or on the store file when
+no gateway runs — so the serving process never holds torch's training memory.
+
+Promotion here is by hand (``--promote``); the evaluation gate is the loop's job.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from capture.batches import TrainingGroup
+from capture.groups import training_group
+from capture.models import AdapterVersion, Group, utcnow
+from capture.store import Store
+from gateway.config import TINY_MODEL, LocalEngineConfig, Settings
+
+log = logging.getLogger("flywheel.training")
+
+
+def training_batch(store: Store, alias: str, max_groups: int) -> list[TrainingGroup]:
+    """Scored groups of ``alias`` not trained on yet, oldest first."""
+    with store.session() as session:
+        groups = session.exec(select(Group).where(Group.alias == alias, Group.status == "scored")
+                              .order_by(col(Group.created_at)).limit(max_groups)).all()
+        return [training_group(session, group) for group in groups]
+
+
+def promoted_version(store: Store, alias: str) -> AdapterVersion | None:
+    """The adapter version an alias serves after a restart: its latest promoted one."""
+    with store.session() as session:
+        return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                         AdapterVersion.status == "promoted")
+                            .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
+
+
+def base_model_path(settings: Settings, alias: str) -> str:
+    """The base weights to train for an alias: its ``train_model``, else its local engine's model."""
+    config = settings.aliases[alias]
+    if config.train_model:
+        return config.train_model
+    engine = settings.engines[config.engine]
+    if not isinstance(engine, LocalEngineConfig):
+        raise ValueError(f"aliases.{alias}.train_model: the alias is served by an upstream engine; say which "
+                         "local base weights to train (a directory or a cached HF id)")
+    if engine.model == TINY_MODEL:
+        from trainer.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(settings.data_dir / "models" / "tiny"))
+    return engine.model
+
+
+def grpo_args(settings: Settings, base_model: str, overrides: dict[str, Any] | None = None) -> Any:
+    """``GRPOArgs`` from ``[train] args`` (+ overrides); the tiny model starts from its CPU settings."""
+    from trainer.grpo import GRPOArgs
+
+    values = {**settings.train.args, **(overrides or {})}
+    tiny = settings.train.tiny_defaults and Path(base_model).resolve() == (
+        settings.data_dir / "models" / "tiny").resolve()
+    return GRPOArgs.tiny(**values) if tiny else GRPOArgs(**values)
+
+
+def round_to_json(result: Any) -> dict[str, Any]:
+    """A ``RoundResult`` as JSON (paths and times as strings), to send to the gateway."""
+    data = asdict(result)
+    for key in ("adapter_dir", "optimizer_state"):
+        data[key] = str(data[key]) if data[key] is not None else None
+    for key in ("started_at", "finished_at"):
+        data[key] = data[key].isoformat()
+    return data
+
+
+def round_from_json(data: dict[str, Any]) -> Any:
+    from trainer.grpo import RoundResult
+
+    values = dict(data)
+    for key in ("adapter_dir", "optimizer_state"):
+        values[key] = Path(values[key]) if values[key] is not None else None
+    for key in ("started_at", "finished_at"):
+        values[key] = datetime.fromisoformat(values[key])
+    return RoundResult(**values)
+
+
+def record_training(store: Store, alias: str, result: Any, *, version: int, parent_version: int | None,
+                    promote: bool) -> AdapterVersion | None:
+    """Store the round (run row, adapter row), mark its groups trained, and mark it promoted if asked."""
+    from trainer.adapters import record_round
+
+    with Session(store.engine, expire_on_commit=False) as session:
+        _, adapter = record_round(session, result, alias=alias, base_model=result.base_model, version=version,
+                                  parent_version=parent_version, commit=False)
+        for group_id in result.group_ids:
+            group = session.get(Group, group_id)
+            if group is not None:
+                group.status = "trained"
+                session.add(group)
+        if promote and adapter is not None:
+            for previous in session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                                      AdapterVersion.status == "promoted")):
+                previous.status = "retired"
+                session.add(previous)
+            adapter.status, adapter.promoted_at = "promoted", utcnow()
+        session.commit()
+        return adapter
