@@ -49,7 +49,11 @@ class Store:
             Path(self.url.removeprefix("duckdb:///")).parent.mkdir(parents=True, exist_ok=True)
         # One JSON text form for every writer (ORM, Core, the Arrow bulk path): compact orjson.
         self.engine: Engine = create_engine(self.url, json_serializer=_json_text)
-        self.migrate()
+        try:
+            self.migrate()
+        except BaseException:
+            self.engine.dispose()  # release the file: a refused store must not stay open
+            raise
 
     def close(self) -> None:
         self.engine.dispose()

@@ -100,6 +100,8 @@ def test_explicit_group_feedback_and_policy(tmp_path: Path, servers: tuple[Scrip
     response = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": ids[0], "label": "bad"})
     assert response.status_code == 200, response.text
     first_trajectory = response.json()["trajectory_id"]
+    by_id = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"trajectory_id": first_trajectory, "reward": 0.0})
+    assert by_id.status_code == 200 and by_id.json()["trajectory_id"] == first_trajectory
     for completion_id in ids[1:]:  # the others are closed by the client without feedback
         trajectory = httpx.post(f"{gateway.url}/flywheel/v1/feedback",
                                 json={"completion_id": completion_id, "reward": 0.25}).json()["trajectory_id"]

@@ -1,0 +1,74 @@
+"""The store's schema version guard, and exact reassembly of streamed responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from capture.assembler import StreamAssembler
+from capture.models import SCHEMA_VERSION
+from capture.store import SchemaError, Store
+
+
+def test_new_store_records_its_schema_version(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+    finally:
+        store.close()
+
+
+def test_a_newer_store_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    Store(path).close()
+    with duckdb.connect(str(path)) as connection:
+        connection.execute("UPDATE schema_meta SET value = '99' WHERE key = 'schema_version'")
+        connection.execute("CHECKPOINT")
+    before = path.read_bytes()
+    with pytest.raises(SchemaError, match="schema version 99"):
+        Store(path)
+    assert path.read_bytes() == before
+
+
+def test_unversioned_tables_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    with duckdb.connect(str(path)) as connection:
+        connection.execute("CREATE TABLE turns (id VARCHAR)")
+        connection.execute("INSERT INTO turns VALUES ('mine')")
+    with pytest.raises(SchemaError, match="without a schema version"):
+        Store(path)
+    with duckdb.connect(str(path)) as connection:
+        assert connection.execute("SELECT id FROM turns").fetchall() == [("mine",)]
+
+
+def test_stream_reassembly_joins_tool_call_fragments_by_index() -> None:
+    base = {"id": "chatcmpl-1", "created": 1, "model": "m", "object": "chat.completion.chunk"}
+    def call(index: int, arguments: str, **first: str) -> dict[str, object]:
+        """One tool-call delta; ``first`` (id, type, name) only on a call's first fragment."""
+        function = {"arguments": arguments, **({"name": first.pop("name")} if "name" in first else {})}
+        return {"tool_calls": [{"index": index, **first, "function": function}]}
+
+    deltas = [
+        {"role": "assistant", "content": ""},
+        {"content": "Let me check. "},
+        call(0, "", id="call_a", type="function", name="get_weather"),
+        call(1, '{"tz"', id="call_b", type="function", name="get_time"),  # interleaved with call 0
+        call(0, '{"city": '),
+        call(1, ': "UTC"}'),
+        call(0, '"Oslo"}'),
+    ]
+    assembler = StreamAssembler("chat.completions")
+    for i, delta in enumerate(deltas):
+        assembler.add({**base, "choices": [{"index": 0, "delta": delta, "token_ids": [i], "finish_reason": None}]})
+    assembler.add({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    assembler.add({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}})
+    response = assembler.response()
+    message = response["choices"][0]["message"]
+    assert message["content"] == "Let me check. "
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("call_a", "get_weather", '{"city": "Oslo"}'), ("call_b", "get_time", '{"tz": "UTC"}')]
+    assert response["choices"][0]["finish_reason"] == "tool_calls"
+    assert response["choices"][0]["token_ids"] == list(range(7))
+    assert response["usage"]["total_tokens"] == 10
