@@ -24,27 +24,24 @@ from gateway.cli_trajectories import (
     GatewayOption,
     Location,
     Target,
+    error_message,
     fail_cli,
     locate,
     open_store,
 )
 
 
-def admin_post(location: Location, path: str, params: dict[str, str] | None = None, *,
+def admin_call(location: Location, method: str, path: str, params: dict[str, str] | None = None, *,
                json_body: dict[str, Any] | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
-    """POST to the located gateway's admin API; a failure is a one-line CLI error."""
+    """Call the located gateway's admin API; a failure is a one-line CLI error."""
     headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
     try:
-        response = httpx.post(f"{location.url}{path}", params=params, json=json_body, headers=headers,
-                              timeout=timeout_s)
+        response = httpx.request(method, f"{location.url}{path}", params=params, json=json_body, headers=headers,
+                                 timeout=timeout_s)
     except httpx.HTTPError as exc:
         fail_cli(f"gateway at {location.url} failed: {type(exc).__name__}")
     if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
-        fail_cli(f"gateway answered {response.status_code}: {message}")
+        fail_cli(f"gateway answered {response.status_code}: {error_message(response)}")
     result: dict[str, Any] = response.json()
     return result
 
@@ -59,7 +56,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
-        formed = admin_post(location, "/flywheel/v1/jobs/groups")["formed"]
+        formed = admin_call(location, "POST", "/flywheel/v1/jobs/groups")["formed"]
     else:
         store = open_store(location.database or location.settings.database)
         try:
@@ -83,7 +80,7 @@ def score(config: ConfigOption = None, gateway: GatewayOption = None, admin_key:
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
         params = {"alias": alias} if alias else None
-        summary = admin_post(location, "/flywheel/v1/jobs/score", params)
+        summary = admin_call(location, "POST", "/flywheel/v1/jobs/score", params)
     else:
         summary = _score_file(location, alias, limit)
     typer.echo(f"scored {summary['scored']}/{summary['groups']} groups ({summary['trajectories']} trajectories), "
@@ -110,18 +107,6 @@ def _score_file(location: Location, alias: str | None, limit: int | None) -> dic
         return asdict(result)
     finally:
         store.close()
-
-
-def admin_get(location: Location, path: str, params: dict[str, str]) -> dict[str, Any]:
-    headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
-    try:
-        response = httpx.get(f"{location.url}{path}", params=params, headers=headers, timeout=600)
-    except httpx.HTTPError as exc:
-        fail_cli(f"gateway at {location.url} failed: {type(exc).__name__}")
-    if response.status_code != 200:
-        fail_cli(f"gateway answered {response.status_code}: {response.text[:300]}")
-    result: dict[str, Any] = response.json()
-    return result
 
 
 def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train.")],
@@ -154,7 +139,8 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     limit = max_groups or settings.train.max_groups
     overrides = _field_values(set_ or [])
     if location.url is not None:
-        batch = admin_get(location, "/flywheel/v1/training/batch", {"alias": alias, "max_groups": str(limit)})
+        batch = admin_call(location, "GET", "/flywheel/v1/training/batch",
+                           {"alias": alias, "max_groups": str(limit)})
         groups = [TrainingGroup.from_json(g) for g in batch["groups"]]
         base, current = batch["base_model"], batch["current"]
     else:
@@ -192,7 +178,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     if location.url is not None:
         report = {"alias": alias, "version": version, "parent_version": parent, "promote": promote,
                   "result": round_to_json(result)}
-        admin_post(location, "/flywheel/v1/training/rounds", json_body=report)
+        admin_call(location, "POST", "/flywheel/v1/training/rounds", json_body=report)
     else:
         store = open_store(location.database or settings.database)
         try:

@@ -128,11 +128,7 @@ class ApiBackend:
         if response.status_code == 404 and _error_code(response) == "not_found":
             return None
         if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:200]
-            fail_cli(f"gateway answered {response.status_code}: {message}")
+            fail_cli(f"gateway answered {response.status_code}: {error_message(response)}")
         body: dict[str, Any] = response.json()
         return body
 
@@ -171,6 +167,14 @@ class ApiBackend:
                 return export_parquet(store, out_dir)
             finally:
                 store.close()
+
+
+def error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error response (the start of the body otherwise)."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
 
 
 def _error_code(response: httpx.Response) -> str | None:

@@ -25,19 +25,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.scripted_openai import free_port
+from tests.scripted_openai import LoopbackServer, free_port
 
 TRAJECTORY_BLOCK = re.compile(r'<trajectory id="([^"]+)">\n(.*?)\n</trajectory>', re.DOTALL)
 FAULTS = frozenset({"malformed", "fenced", "wrong_count", "unknown_id", "out_of_range", "http500", "http400",
@@ -93,21 +91,12 @@ class ScriptedJudge:
         return [next(m["content"] for m in body["messages"] if m["role"] == "user") for body in self.requests]
 
     def __enter__(self) -> ScriptedJudge:
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("scripted judge did not start")
-            time.sleep(0.01)
+        self._server = LoopbackServer(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])]),
+                                      self.port)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._server.stop()
 
     async def _chat(self, request: Request) -> JSONResponse:
         body = await request.json()

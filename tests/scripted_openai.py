@@ -51,6 +51,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class LoopbackServer:
+    """An ASGI app served by uvicorn on a background thread, on ``127.0.0.1:port``."""
+
+    def __init__(self, app: Starlette, port: int, timeout_s: float = 10.0) -> None:
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {port} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
 @dataclass
 class ScriptedOpenAI:
     reply: Callable[[dict[str, Any]], Reply] = field(default=lambda body: Reply())
@@ -62,22 +80,13 @@ class ScriptedOpenAI:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> ScriptedOpenAI:
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                                Route("/v1/models", self._models, methods=["GET"])])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("scripted upstream did not start")
-            time.sleep(0.01)
+        self._server = LoopbackServer(Starlette(routes=[
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"])]), self.port)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._server.stop()
 
     async def _models(self, request: Request) -> Response:
         return Response(orjson.dumps({"object": "list", "data": [{"id": "scripted", "object": "model"}]}),
