@@ -56,10 +56,10 @@ class Turn(SQLModel, table=True):
     created_at: datetime = _ts(index=True)
     latency_ms: float = 0.0
     requested_model: str
-    alias: str = Field(index=True)
+    alias: str
     engine_model: str
     adapter_version: int = 0
-    client_key_id: str | None = Field(default=None, index=True)
+    client_key_id: str | None = None
     request_messages: list[dict[str, Any]] | None = _json()
     tools: list[dict[str, Any]] | None = _json()
     params: dict[str, Any] | None = _json()
@@ -71,10 +71,10 @@ class Turn(SQLModel, table=True):
     completion_logprobs: list[float] | None = _json()
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    h_ctx: str = Field(index=True)
-    h_out: str = Field(index=True)
-    task_key: str | None = Field(default=None, index=True)
-    group_key: str | None = Field(default=None, index=True)
+    h_ctx: str
+    h_out: str = Field(index=True)  # the linker's lookup
+    task_key: str | None = None
+    group_key: str | None = None
     redacted: bool = False
 
 

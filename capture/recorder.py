@@ -125,34 +125,35 @@ class Recorder:
     async def _run(self) -> None:
         while True:
             self._collecting.append(await self.queue.get())
-            deadline = time.monotonic() + self.batch_wait_s
-            while len(self._collecting) < self.batch_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    self._collecting.append(await asyncio.wait_for(self.queue.get(), remaining))
-                except TimeoutError:
-                    break
+            if self.queue.qsize() < self.batch_size - 1:
+                await asyncio.sleep(self.batch_wait_s)  # let the batch fill: one timer per batch, not per turn
+            while len(self._collecting) < self.batch_size and not self.queue.empty():
+                self._collecting.append(self.queue.get_nowait())
             batch, self._collecting = self._collecting, []
             self._writing = asyncio.ensure_future(self._write(batch))
             await asyncio.shield(self._writing)
             self._writing = None
 
     async def _write(self, batch: list[CapturedExchange]) -> None:
-        prepared = await asyncio.to_thread(self._prepare, batch)
-        if not self.store_ok:
-            self._spool(prepared)
-            return
-        try:
-            written = await asyncio.to_thread(self.store.write_turns, prepared)
-        except Exception as exc:
-            log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,
+        prepared, written, error = await asyncio.to_thread(self._persist, batch)
+        if error is not None:
+            log.warning("store write failed (%s: %s); %d turns go to the spool", type(error).__name__, error,
                         len(prepared))
             self.store_ok = False
+        if written is None:
             self._spool(prepared)
-            return
-        self.stats["written"] += written
+        else:
+            self.stats["written"] += written
+
+    def _persist(self, batch: list[CapturedExchange]) -> tuple[list[PreparedTurn], int | None, Exception | None]:
+        """Prepare and write on the worker thread (one hop per batch); ``None`` written: spool them."""
+        prepared = self._prepare(batch)
+        if not self.store_ok:
+            return prepared, None, None
+        try:
+            return prepared, self.store.write_turns(prepared), None
+        except Exception as exc:
+            return prepared, None, exc
 
     def _prepare(self, batch: list[CapturedExchange]) -> list[PreparedTurn]:
         return [turn for exchange in batch for turn in prepare_turns(exchange, self.redactor)]
@@ -183,7 +184,7 @@ class Recorder:
 
     async def _ingest_file(self, path: Path, turns: list[PreparedTurn]) -> int:
         try:
-            written = await asyncio.to_thread(self.store.write_turns, turns)
+            written = await asyncio.to_thread(self.store.write_turns, turns, skip_stored=True)
         except Exception as exc:
             log.info("store still not writable (%s); %d turns stay spooled", type(exc).__name__, len(turns))
             self.store_ok = False
