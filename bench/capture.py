@@ -138,16 +138,16 @@ def time_lookups(store: Store, n: int, lookups: int, seed: int = 0) -> dict[str,
     rng = random.Random(seed)
     durations = []
     with store.session() as session:
-        linker = TrajectoryLinker(session)
         for _ in range(lookups):
             hit = rng.randrange(n)
             # The request's assistant prefixes, last first: three that miss, then one that is stored.
             hashes = [f"{rng.getrandbits(256):064x}" for _ in range(3)]
             hashes.insert(rng.randrange(4), session.execute(text("SELECT sha256(:v)"), {"v": f"out{hit}"}).scalar())
             started = time.perf_counter()
-            linker._by_hash.clear()
+            linker = TrajectoryLinker(session)  # one per batch, as Store.write_turns does; here a batch of one
             linker.prefetch([PreparedTurn(row={}, explicit_trajectory_id=None, assistant_prefix_hashes=hashes)])
             parent = linker._find_parent(hashes, None)
+            session.expunge_all()  # the store opens a fresh session per batch
             durations.append(time.perf_counter() - started)
             assert parent is not None and parent.trajectory_id == f"traj_{hit // 5}"
     durations.sort()

@@ -71,7 +71,7 @@ class Recorder:
     """Queue, writer task, spool and counters for captured turns."""
 
     def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int = 10_000,
-                 batch_size: int = 256, batch_wait_s: float = 0.05, retry_s: float = 2.0) -> None:
+                 batch_size: int = 256, batch_wait_s: float = 0.25, retry_s: float = 2.0) -> None:
         self.store = store
         self.spool = spool
         self.redactor = redactor

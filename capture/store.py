@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-from sqlalchemy import JSON, Engine, func, insert, inspect
+from sqlalchemy import JSON, Engine, bindparam, func, insert, inspect, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
@@ -152,6 +152,14 @@ class Store:
             return int(session.exec(select(func.count()).select_from(model)).one())
 
 
+# The linker's two hot queries as plain SQL: duckdb_engine turns off SQLAlchemy's statement
+# cache, and compiling an ORM select costs more than DuckDB's indexed lookup itself.
+_CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out FROM turns WHERE h_out IN :hashes "
+                   "ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
+_PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id IN :ids").bindparams(
+    bindparam("ids", expanding=True))
+
+
 @dataclass
 class _Candidate:
     turn_id: str
@@ -191,8 +199,7 @@ class TrajectoryLinker:
         columns = (col(Turn.id), col(Turn.trajectory_id), col(Turn.depth), col(Turn.client_key_id))
         found: list[tuple[str, _Candidate]] = []
         for chunk in _chunks(hashes, 500):
-            rows = self.session.execute(sa_select(*columns, col(Turn.h_out)).where(col(Turn.h_out).in_(chunk))
-                                        .order_by(col(Turn.created_at), col(Turn.id)))
+            rows = self.session.execute(_CANDIDATES, {"hashes": chunk})
             found += [(h_out, self._candidate(turn_id, trajectory_id, depth, key))
                       for turn_id, trajectory_id, depth, key, h_out in rows]
         wanted = sorted({c.trajectory_id for _, c in found} |
@@ -208,8 +215,7 @@ class TrajectoryLinker:
         # Which candidates already have a child (claimed): a second indexed lookup, by parent id.
         by_id = self._candidates
         for chunk in _chunks(sorted(by_id), 500):
-            for (parent_id,) in self.session.execute(sa_select(col(Turn.parent_turn_id)).distinct()
-                                                     .where(col(Turn.parent_turn_id).in_(chunk))):
+            for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}):
                 by_id[parent_id].has_children = True
         for h_out, candidate in found:
             self._by_hash.setdefault(h_out, []).append(candidate)

@@ -106,7 +106,7 @@ class CaptureConfig(BaseModel):
     idle_close_s: float = 600.0  # a trajectory with no new turn for this long is closed
     queue_size: int = 10_000  # turns waiting for the writer; beyond it they go to the spool
     batch_size: int = 256  # turns per store transaction
-    batch_wait_s: float = 0.05  # longest wait to fill a batch: the durability window's main term
+    batch_wait_s: float = 0.25  # longest wait to fill a batch: the durability window's main term
     retry_s: float = 2.0  # how often the spool is retried while the store refuses writes
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
 
