@@ -20,6 +20,8 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from capture.assembler import StreamAssembler
+from capture.recorder import Recorder
+from capture.turns import CapturedExchange
 from gateway.capturing import CapturePlan, plan_capture
 from gateway.engines.base import Body, Chunk
 from gateway.errors import OpenAIError, PayloadTooLarge, UpstreamError
@@ -185,8 +187,14 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
     background = None
     if plan is not None and state.recorder is not None:  # recorded after the last byte went out
-        background = BackgroundTask(state.recorder.submit, plan.exchange(body, result))
+        background = BackgroundTask(_record, state.recorder, plan.exchange(body, result))
     return Response(content, media_type=_JSON_MEDIA, background=background)
+
+
+async def _record(recorder: Recorder, exchange: CapturedExchange) -> None:
+    # A coroutine, so Starlette runs it on the event loop: a plain function would go to a worker
+    # thread (a thread hop per request, and asyncio.Queue is not thread-safe).
+    recorder.submit(exchange)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
