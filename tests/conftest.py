@@ -42,6 +42,15 @@ def weather_followup(call_id: str) -> list[dict[str, Any]]:
             {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "sunny"}'}]
 
 
+@pytest.fixture(autouse=True)
+def _stop_gateways_a_test_left_running() -> Iterator[None]:
+    """Gateways a test started and did not stop (an assertion failed first) are stopped after it."""
+    before = set(GatewayProcess.running)  # session and module gateways are already up: they stay
+    yield
+    for gateway in GatewayProcess.running - before:
+        gateway.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.tiny_model import build_tiny_model

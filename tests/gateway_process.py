@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -14,7 +16,13 @@ from tests.scripted_openai import free_port
 
 
 class GatewayProcess:
-    """A gateway subprocess; stopped by its handle (terminate, wait, then kill)."""
+    """A gateway subprocess; stopped by its handle (terminate, wait, then kill).
+
+    Every started process is in ``running`` until stopped; the test session stops whatever a
+    test left running (``tests/conftest.py``), and an exit hook catches the rest.
+    """
+
+    running: ClassVar[set[GatewayProcess]] = set()
 
     def __init__(self, tmp: Path, config_toml: str, *, name: str = "gateway") -> None:
         """``config_toml`` is the TOML body; ``data_dir`` and ``log_level`` are set here."""
@@ -36,6 +44,7 @@ class GatewayProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_file),
                  "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        GatewayProcess.running.add(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -49,6 +58,7 @@ class GatewayProcess:
         raise RuntimeError(f"gateway did not answer within {timeout_s} s:\n{self.log_file.read_text()}")
 
     def stop(self) -> None:
+        GatewayProcess.running.discard(self)
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
@@ -57,3 +67,9 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=5)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for gateway in list(GatewayProcess.running):
+        gateway.stop()
