@@ -1,7 +1,8 @@
 """Flywheel client SDK: talk to a Flywheel gateway with the plain ``openai`` client.
 
 An agent needs no SDK to be captured: pointing ``base_url`` at the gateway is enough.
-This package holds the optional helpers (headers now; the ART-style API later).
+This package holds the optional helpers: the ``X-Flywheel-*`` headers the gateway reads
+(docs/capture.md). The ART-style training API is not here yet.
 
     from openai import OpenAI
     import flywheel
