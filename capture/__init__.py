@@ -1,1 +1,1 @@
-"""Trajectory capture: the store, the linker and the recorder (the Capture issue fills this in)."""
+"""Trajectory capture: the store, the linker, the recorder, redaction, groups and export (docs/capture.md)."""

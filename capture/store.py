@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-from sqlalchemy import JSON, Engine, bindparam, func, insert, inspect, text
+from sqlalchemy import JSON, Engine, bindparam, insert, inspect, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
@@ -147,9 +147,6 @@ class Store:
                 session.commit()
             return trajectory
 
-    def count(self, model: type[SQLModel]) -> int:
-        with self.session() as session:
-            return int(session.exec(select(func.count()).select_from(model)).one())
 
 
 # The linker's two hot queries as plain SQL: duckdb_engine turns off SQLAlchemy's statement
