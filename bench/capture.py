@@ -85,7 +85,7 @@ async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
         mock.wait_ready("/v1/models", 60)
         gateway = start_flywheel(workdir, mock.port)
         gateway.wait_ready("/healthz", 120)
-        pids = [gateway.proc.pid, mock.proc.pid]
+        pids = [*gateway.pids, mock.proc.pid]  # the store process's CPU counts too
         on = Target("capture on", gateway.port, pids)
         off = Target("capture off", gateway.port, pids, headers={"x-flywheel-capture": "off"})
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16}

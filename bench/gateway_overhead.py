@@ -142,6 +142,11 @@ class Server:
     proc: subprocess.Popen[bytes]
     log_file: Path
 
+    @property
+    def pids(self) -> list[int]:
+        """The server and the processes it started (Flywheel's store process): all their CPU counts."""
+        return [self.proc.pid, *(child.pid for child in psutil.Process(self.proc.pid).children(recursive=True))]
+
     def log_tail(self, lines: int = 15) -> str:
         text = self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
@@ -598,14 +603,14 @@ def main() -> None:
                 litellm = start_litellm(workdir, mock.port, master_key)
                 servers.append(litellm)
         flywheel.wait_ready("/healthz", args.startup_timeout_s)
-        targets = [Target("direct", mock.port, [mock.proc.pid]),
-                   Target("flywheel", flywheel.port, [flywheel.proc.pid]),
-                   Target(NO_CAPTURE, flywheel.port, [flywheel.proc.pid],
+        targets = [Target("direct", mock.port, mock.pids),
+                   Target("flywheel", flywheel.port, flywheel.pids),
+                   Target(NO_CAPTURE, flywheel.port, flywheel.pids,
                           headers={"x-flywheel-capture": "off"})]
         if litellm is not None:
             try:
                 litellm.wait_ready("/health/liveliness", args.startup_timeout_s)
-                targets.append(Target("litellm", litellm.port, [litellm.proc.pid], api_key=master_key))
+                targets.append(Target("litellm", litellm.port, litellm.pids, api_key=master_key))
             except RuntimeError as exc:  # e.g. litellm without the [proxy] extra: an ImportError in its log
                 litellm_missing = f"the proxy did not start ({exc}); pip install -e '.[bench]'"
                 litellm.stop()

@@ -17,11 +17,13 @@ plus one batch's write time after ``submit``; a SIGKILL inside that window loses
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
-import threading
+import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import BinaryIO
 
 import orjson
 
@@ -33,38 +35,58 @@ log = logging.getLogger("flywheel.recorder")
 
 
 class Spool:
-    """An append-only JSON-lines file of prepared turns the store could not take yet."""
+    """An append-only JSON-lines file of prepared turns the store could not take yet.
+
+    Two processes append to it (the gateway, when the store process cannot take a turn; the
+    store process, when the database cannot) and one takes it: ``flock`` on the file orders
+    them, and an appender that opened the file before a take moved it aside writes again to
+    the new one, so no line lands in a file already read.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
 
     def append(self, turns: list[PreparedTurn]) -> None:
         lines = b"".join(orjson.dumps(t.to_json()) + b"\n" for t in turns)
-        with self._lock, self.path.open("ab") as spool:
-            spool.write(lines)
-            spool.flush()
+        while True:
+            with self.path.open("ab") as spool:
+                fcntl.flock(spool, fcntl.LOCK_EX)
+                if not self._is_current(spool):
+                    continue  # taken while we waited for the lock: append to the new file
+                spool.write(lines)
+                spool.flush()
+                return
 
     def pending(self) -> bool:
         return self.path.exists() and self.path.stat().st_size > 0
 
     def take(self) -> tuple[Path, list[PreparedTurn]] | None:
         """Move the spool aside and read it; the caller deletes the moved file once written."""
-        with self._lock:
-            if not self.pending():
+        if not self.pending():
+            return None
+        taken = self.path.with_suffix(f".ingesting-{time.time_ns()}")
+        with self.path.open("rb") as spool:
+            fcntl.flock(spool, fcntl.LOCK_EX)  # no append is half-written while the file moves
+            if not self._is_current(spool):
                 return None
-            taken = self.path.with_suffix(f".ingesting-{time.time_ns()}")
             self.path.rename(taken)
-        turns = []
-        for line in taken.read_bytes().splitlines():
-            if line.strip():
-                turns.append(PreparedTurn.from_json(orjson.loads(line)))
-        return taken, turns
+        return taken, self.read(taken)
 
     def leftovers(self) -> list[Path]:
         """Files moved aside by a take() whose write never finished (a crash): ingest them too."""
         return sorted(self.path.parent.glob(self.path.stem + ".ingesting-*"))
+
+    @staticmethod
+    def read(path: Path) -> list[PreparedTurn]:
+        return [PreparedTurn.from_json(orjson.loads(line)) for line in path.read_bytes().splitlines() if line.strip()]
+
+    def _is_current(self, spool: BinaryIO) -> bool:
+        """Whether the open file is still the one at ``path`` (a take() may have moved it)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(spool.fileno()).st_ino
+        except FileNotFoundError:
+            return False
 
 
 class Recorder:
@@ -175,8 +197,7 @@ class Recorder:
         """Write spooled turns to the store; on failure they stay spooled. Returns turns written."""
         total = 0
         for leftover in self.spool.leftovers():
-            total += await self._ingest_file(leftover, [PreparedTurn.from_json(orjson.loads(line))
-                                                        for line in leftover.read_bytes().splitlines() if line])
+            total += await self._ingest_file(leftover, self.spool.read(leftover))
         taken = self.spool.take()
         if taken is not None:
             total += await self._ingest_file(*taken)

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from capture.canonical import ROOT, extend_hash, prefix_hashes, task_key
 from capture.redaction import Redactor
 
@@ -43,6 +45,16 @@ class CapturedExchange:
     group_id: str | None = None  # X-Flywheel-Group-Id
     source: str = "client"  # "client" | "fork"
     client_choices: int | None = None  # forked request: choices from this index on are siblings the client never saw
+
+    def to_line(self) -> bytes:
+        """One JSON line, as the gateway streams it to the store process (orjson: ~10 us, no copies)."""
+        return orjson.dumps(self) + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> CapturedExchange:
+        data = orjson.loads(line)
+        data["created_at"] = datetime.fromisoformat(data["created_at"])
+        return cls(**data)
 
 
 @dataclass

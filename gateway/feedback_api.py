@@ -24,9 +24,9 @@ from capture.models import Feedback, Trajectory, Turn
 from capture.store import Store
 from capture.turns import new_id
 from gateway.config import GroupsConfig
-from gateway.errors import BadRequest, NotFound, UpstreamError
+from gateway.errors import BadRequest, NotFound
 from gateway.protocol import parse_json_object, validate_request
-from gateway.state import GatewayState
+from gateway.state import StoreState
 from judge.rewards import InvalidFeedbackError, feedback_reward
 from judge.scoring import score_pending
 
@@ -44,12 +44,6 @@ class FeedbackRequest(BaseModel):
         if not (self.trajectory_id or self.completion_id):
             raise ValueError("give trajectory_id or completion_id")
         return self
-
-
-def _store(state: GatewayState) -> Store:
-    if state.store is None:
-        raise UpstreamError("this gateway runs without a store")
-    return state.store
 
 
 def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
@@ -78,7 +72,7 @@ def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest,
 
 @router.post("/feedback")
 async def post_feedback(request: Request) -> Response:
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     key_id = state.auth.client(request)
     body = parse_json_object(await request.body())
     validate_request(FeedbackRequest, body)
@@ -87,8 +81,8 @@ async def post_feedback(request: Request) -> Response:
         reward = feedback_reward(feedback.reward, feedback.label)
     except InvalidFeedbackError as exc:
         raise BadRequest(f"Invalid feedback: {exc}", param="label" if feedback.label else "reward") from None
-    store = _store(state)
-    await _flush(state)  # a completion answered a moment ago may still sit in the recorder's batch
+    store = state.store
+    await state.caught_up(request)  # a completion answered a moment ago may still be on its way in
     trajectory_id = await asyncio.to_thread(_find_trajectory, store, feedback.trajectory_id, feedback.completion_id,
                                             key_id)
     if trajectory_id is None:
@@ -97,11 +91,6 @@ async def post_feedback(request: Request) -> Response:
     feedback_id = await asyncio.to_thread(_record_feedback, store, trajectory_id, feedback, key_id)
     return Response(orjson.dumps({"id": feedback_id, "object": "flywheel.feedback", "trajectory_id": trajectory_id,
                                   "reward": reward}), media_type="application/json")
-
-
-async def _flush(state: GatewayState) -> None:
-    if state.recorder is not None:
-        await state.recorder.flush()
 
 
 def grouping_rules(config: GroupsConfig) -> GroupingRules:
@@ -119,17 +108,17 @@ def run_group_formation(store: Store, config: GroupsConfig) -> list[dict[str, An
 
 @router.post("/jobs/groups")
 async def form_groups_now(request: Request) -> Response:
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     state.auth.admin(request)
-    await _flush(state)
-    formed = await asyncio.to_thread(run_group_formation, _store(state), state.settings.groups)
+    await state.caught_up(request)
+    formed = await asyncio.to_thread(run_group_formation, state.store, state.settings.groups)
     return Response(orjson.dumps({"formed": formed}), media_type="application/json")
 
 
 @router.post("/jobs/score")
 async def score_now(request: Request) -> Response:
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     state.auth.admin(request)
     alias = request.query_params.get("alias")
-    summary = await score_pending(_store(state).engine, state.settings.judge, state.settings.rewards, alias=alias)
+    summary = await score_pending(state.store.engine, state.settings.judge, state.settings.rewards, alias=alias)
     return Response(orjson.dumps(asdict(summary)), media_type="application/json")

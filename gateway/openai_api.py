@@ -20,7 +20,6 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from capture.assembler import StreamAssembler
-from capture.recorder import Recorder
 from capture.turns import CapturedExchange
 from gateway.capturing import CapturePlan, plan_capture
 from gateway.engines.base import Body, Chunk
@@ -28,6 +27,7 @@ from gateway.errors import OpenAIError, PayloadTooLarge, UpstreamError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
 from gateway.routing import ServedModel
 from gateway.state import GatewayState
+from gateway.store_link import StoreLink
 
 log = logging.getLogger("flywheel.api")
 router = APIRouter()
@@ -160,14 +160,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         alias = served.alias
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
-        plan = None
-        if state.recorder is not None:
-            plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
-                                served=served, requested_model=body["model"], client_key_id=key_id, started=started)
-            if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
-                client_n = int(body.get("n") or 1)
-                asks = replace(asks, choices=client_n)
-                to_engine["n"] = client_n + plan.fork_k
+        plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
+                            served=served, requested_model=body["model"], client_key_id=key_id, started=started)
+        if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
+            client_n = int(body.get("n") or 1)
+            asks = replace(asks, choices=client_n)
+            to_engine["n"] = client_n + plan.fork_k
         if body.get("stream"):
             return await _stream(state, served, endpoint, to_engine, asks, body, started, plan)
         served.in_flight += 1
@@ -186,15 +184,15 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state.metrics.requests.labels(endpoint.value, alias, "200").inc()
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
     background = None
-    if plan is not None and state.recorder is not None:  # recorded after the last byte went out
-        background = BackgroundTask(_record, state.recorder, plan.exchange(body, result))
+    if plan is not None:  # recorded after the last byte went out
+        background = BackgroundTask(_record, state.store_link, plan.exchange(body, result))
     return Response(content, media_type=_JSON_MEDIA, background=background)
 
 
-async def _record(recorder: Recorder, exchange: CapturedExchange) -> None:
+async def _record(store_link: StoreLink, exchange: CapturedExchange) -> None:
     # A coroutine, so Starlette runs it on the event loop: a plain function would go to a worker
-    # thread (a thread hop per request, and asyncio.Queue is not thread-safe).
-    recorder.submit(exchange)
+    # thread (a thread hop per request, and the link's buffer is the event loop's).
+    store_link.submit(exchange)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
@@ -253,8 +251,8 @@ async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoi
         state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
         state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     yield _DONE
-    if assembler is not None and plan is not None and state.recorder is not None and status == "200":
-        state.recorder.submit(plan.exchange(body, assembler.response()))  # after the last byte went out
+    if assembler is not None and plan is not None and status == "200":
+        state.store_link.submit(plan.exchange(body, assembler.response()))  # after the last byte went out
 
 
 def _shape_chunk(chunk: Chunk, asks: ClientAsks, requested_model: str) -> Chunk | None:

@@ -25,10 +25,10 @@ from starlette.responses import Response
 from capture import queries
 from capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
 from capture.store import Store
-from gateway.errors import BadRequest, NotFound, OpenAIError
+from gateway.errors import BadRequest, NotFound
 from gateway.openai_api import read_body
 from gateway.protocol import parse_json_object
-from gateway.state import GatewayState
+from gateway.state import StoreState
 
 router = APIRouter()
 
@@ -43,11 +43,8 @@ def _json(body: Any) -> Response:
 
 def _caller(request: Request) -> tuple[Store, Owner]:
     """The store and whose completions the caller may see (401 on a wrong key)."""
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     key_id = state.auth.client(request)
-    if state.store is None:
-        raise OpenAIError("Capture is not configured on this gateway: nothing is stored.", status_code=404,
-                          error_type="invalid_request_error", code="not_found")
     return state.store, (key_id if key_id is not None else EVERY_KEY)
 
 
@@ -92,7 +89,7 @@ async def retrieve_chat_completion(completion_id: str, request: Request) -> Resp
 @router.post("/v1/chat/completions/{completion_id}")
 async def update_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = _caller(request)
-    body = parse_json_object(await read_body(request, GatewayState.of(request).settings.max_body_bytes))
+    body = parse_json_object(await read_body(request, StoreState.of(request).settings.max_body_bytes))
     if "metadata" not in body:
         raise BadRequest("Missing required parameter: 'metadata'.", param="metadata",
                          code="missing_required_parameter")

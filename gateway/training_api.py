@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from gateway.admin_api import alias_info
-from gateway.errors import BadRequest, UpstreamError
+from gateway.errors import BadRequest
 from gateway.protocol import parse_json_object, validate_request
 from gateway.state import GatewayState
-from gateway.training import base_model_path, record_training, round_from_json, training_batch
+from gateway.training import base_model_path
 
 router = APIRouter(prefix="/flywheel/v1/training")
 
@@ -31,11 +29,10 @@ async def get_batch(request: Request) -> Response:
     except ValueError as exc:
         raise BadRequest(f"Invalid training request: {exc}", param="max_groups" if "int" in str(exc) else "alias"
                          ) from None
-    if state.store is None:
-        raise UpstreamError("this gateway runs without a store")
-    groups = await asyncio.to_thread(training_batch, state.store, alias, max_groups)
+    groups = await state.store_link.call("GET", "/internal/training/batch",
+                                         params={"alias": alias, "max_groups": str(max_groups)})
     current = {"version": served.version, "path": served.adapter_path} if served.adapter_path else None
-    body = {"alias": alias, "base_model": base, "current": current, "groups": [g.to_json() for g in groups]}
+    body = {"alias": alias, "base_model": base, "current": current, "groups": groups}
     return Response(orjson.dumps(body), media_type="application/json")
 
 
@@ -55,14 +52,9 @@ async def post_round(request: Request) -> Response:
     body = parse_json_object(await request.body())
     validate_request(RoundReport, body)
     report = RoundReport.model_validate(body)
-    state.router.get(report.alias)
-    if state.store is None:
-        raise UpstreamError("this gateway runs without a store")
-    result = round_from_json(report.result)
-    adapter = await asyncio.to_thread(record_training, state.store, report.alias, result, version=report.version,
-                                      parent_version=report.parent_version, promote=report.promote)
     served = state.router.get(report.alias)
+    adapter = await state.store_link.call("POST", "/internal/training/rounds", json=report.model_dump(mode="json"))
     if report.promote and adapter is not None:
-        served = await state.router.switch_adapter(report.alias, adapter.path, version=adapter.version)
-    out = {"adapter_version": adapter.model_dump(mode="json") if adapter else None, "served": alias_info(served)}
+        served = await state.router.switch_adapter(report.alias, adapter["path"], version=adapter["version"])
+    out = {"adapter_version": adapter, "served": alias_info(served)}
     return Response(orjson.dumps(out), media_type="application/json")

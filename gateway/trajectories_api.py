@@ -27,10 +27,10 @@ from starlette.responses import Response
 from capture import export, queries
 from capture.queries import QueryError, TrajectoryFilter
 from capture.store import Store
-from gateway.errors import BadRequest, NotFound, OpenAIError
+from gateway.errors import BadRequest, NotFound
 from gateway.openai_api import read_body
 from gateway.protocol import parse_json_object
-from gateway.state import GatewayState
+from gateway.state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 
@@ -42,17 +42,10 @@ def _json(body: Any) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def _store(state: GatewayState) -> Store:
-    if state.store is None:
-        raise OpenAIError("Capture is not configured on this gateway: nothing is stored.", status_code=404,
-                          error_type="invalid_request_error", code="not_found")
-    return state.store
-
-
 def _admin(request: Request) -> Store:
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     state.auth.admin(request)
-    return _store(state)
+    return state.store
 
 
 def _not_found(trajectory_id: str) -> NotFound:
@@ -112,9 +105,9 @@ async def export_trajectory(trajectory_id: str, request: Request) -> Response:
 @router.post("/trajectories/{trajectory_id:path}/close")
 async def close_trajectory(trajectory_id: str, request: Request) -> Response:
     """The client says the conversation is over: it will be scored and trained on."""
-    state = GatewayState.of(request)
+    state = StoreState.of(request)
     key_id = state.auth.client(request)
-    store = _store(state)
+    store = state.store
     raw = await read_body(request, state.settings.max_body_bytes)
     reason = "client"
     if raw.strip():
@@ -122,8 +115,7 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
         reason = body.get("reason") or reason
         if not isinstance(reason, str):
             raise BadRequest("Invalid value for 'reason': expected a string.", param="reason", code="invalid_type")
-    if state.recorder is not None:
-        await state.recorder.flush()  # the turn answered a moment ago must be in before the close
+    await state.caught_up(request)  # the turn answered a moment ago must be in before the close
     found = await _run(queries.get_trajectory, store, trajectory_id)
     if found is None or (key_id is not None and found["client_key_id"] != key_id):
         raise _not_found(trajectory_id)  # another key's trajectory is not even admitted to exist

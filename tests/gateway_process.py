@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import psutil
 
 from tests.scripted_openai import free_port
 
 
 class GatewayProcess:
-    """A gateway subprocess; stopped by its handle (terminate, wait, then kill).
+    """A gateway subprocess (and its store process); stopped by its handle (terminate, wait, then kill).
 
     Every started process is in ``running`` until stopped; the test session stops whatever a
     test left running (``tests/conftest.py``), and an exit hook catches the rest.
@@ -33,6 +34,7 @@ class GatewayProcess:
         self.config_file.write_text(f'data_dir = "{self.dir / "data"}"\nlog_level = "warning"\n{config_toml}')
         self.log_file = self.dir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.children: list[psutil.Process] = []  # the store process
 
     @property
     def url(self) -> str:
@@ -51,22 +53,33 @@ class GatewayProcess:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log_file.read_text()}")
             try:
                 httpx.get(self.url + "/healthz", timeout=2.0)
+                self.children = psutil.Process(self.proc.pid).children(recursive=True)
                 return self
             except httpx.TransportError:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"gateway did not answer within {timeout_s} s:\n{self.log_file.read_text()}")
 
+    @property
+    def store_process(self) -> psutil.Process:
+        (store,) = [p for p in self.children if "gateway.store_process" in p.cmdline()]
+        return store
+
     def stop(self) -> None:
+        """Stop the gateway, and wait until its store process is gone too (it releases the DuckDB file)."""
         GatewayProcess.running.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        _, alive = psutil.wait_procs(self.children, timeout=30)  # a killed gateway's store process exits itself
+        for child in alive:
+            child.kill()
 
 
 @atexit.register

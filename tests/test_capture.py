@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 from sqlmodel import col, select
 
@@ -291,17 +292,42 @@ def test_unwritable_store_spools_then_reingests(tmp_path: Path, upstream: Script
     assert sorted(int(t.request_messages[0]["content"].split()[1]) for t in turns) == list(range(25))  # type: ignore
 
 
-def test_sigkill_loses_nothing_outside_the_durability_window(tmp_path: Path, upstream: ScriptedOpenAI) -> None:
-    gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 0.05\n")
+def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: ScriptedOpenAI) -> None:
+    """The window for a killed gateway: an exchange is on the store socket one loop iteration after its
+    last byte; from there the store process reads the socket to its end, writes, and exits."""
+    gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 5.0\n")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     for i in range(20):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"n{i}"}])
-    time.sleep(1.0)  # the window is batch_wait_s + one batch's write: well under a second here
+    time.sleep(0.05)
     assert gateway.proc is not None
-    gateway.proc.send_signal(signal.SIGKILL)
+    gateway.proc.send_signal(signal.SIGKILL)  # the store process still holds the 20 turns in an open batch
     gateway.proc.wait(timeout=10)
-    _, turns = stored(gateway)
+    _, turns = stored(gateway)  # waits for the store process, which notices its gateway is gone
     assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(20))  # type: ignore
+
+
+def test_store_process_sigkill_loses_nothing_outside_the_durability_window(tmp_path: Path,
+                                                                           upstream: ScriptedOpenAI) -> None:
+    """A killed store process loses at most its open batch (batch_wait_s + one write); the gateway
+    restarts it, and what is answered meanwhile goes to the spool and then to the store."""
+    gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 0.05\nretry_s = 0.3\n")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    ask = lambda i: client.chat.completions.create(  # noqa: E731
+        model="gpt-4o", messages=[{"role": "user", "content": f"n{i}"}])
+    for i in range(20):
+        ask(i)
+    time.sleep(1.0)  # well past batch_wait_s + one batch's write
+    victim = gateway.store_process
+    victim.kill()
+    victim.wait(timeout=10)
+    for i in range(20, 30):
+        assert ask(i).choices[0].message.content  # clients never notice
+    wait_until(lambda: httpx.get(f"{gateway.url}/healthz").json()["store"] == "ok")
+    gateway.children = psutil.Process(gateway.proc.pid).children()  # the new store process
+    wait_until(lambda: capture_counts(gateway)["reingested"] + capture_counts(gateway)["written"] >= 10)
+    _, turns = stored(gateway)
+    assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(30))  # type: ignore
 
 
 def test_sigterm_drains_the_queue(tmp_path: Path, upstream: ScriptedOpenAI) -> None:

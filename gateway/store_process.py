@@ -1,0 +1,228 @@
+"""The store process: owns the store, records captured turns, serves the store-backed routes.
+
+The gateway starts it (:mod:`gateway.store_link`) as ``python -m gateway.store_process``
+with its settings on stdin, and it lives as long as the gateway. Why a process of its own
+(docs/gateway.md, "Two processes"): DuckDB lets one process open a file (DESIGN §8), and
+capture's CPU — redaction, hashing, linking, inserts, ~0.4 ms a turn — must not take the
+GIL from the request path (measured: it halved the gateway's throughput when it did).
+
+- Ingest: the gateway streams finished exchanges, one JSON line each, over a Unix socket;
+  each goes to the recorder (batches, spool, re-ingest: ``capture/recorder.py``).
+- API: the gateway forwards the store-backed routes here unchanged over a second Unix
+  socket (Stored Completions, trajectories, feedback, jobs), and calls the ``/internal``
+  routes below for what it composes itself (training rounds, promoted adapters, metrics).
+- Jobs: idle trajectories close, groups form (APScheduler).
+- Exit: on SIGTERM, or once the gateway is gone (even SIGKILLed), it reads the ingest
+  socket to its end, writes what it holds, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import orjson
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response
+
+from capture.recorder import Recorder, Spool
+from capture.redaction import Redactor
+from capture.store import Store
+from capture.turns import CapturedExchange
+from gateway import feedback_api, stored_api, trajectories_api
+from gateway.auth import Authenticator
+from gateway.config import Settings
+from gateway.error_handlers import install_error_handlers
+from gateway.protocol import parse_json_object
+from gateway.state import StoreState
+from gateway.training import promoted_version, record_training, round_from_json, training_batch
+
+log = logging.getLogger("flywheel.store")
+
+# The routes the gateway forwards here as they are (gateway/app.py mounts a proxy for each).
+STORE_ROUTERS = (stored_api.router, trajectories_api.router, feedback_api.router)
+_MAX_LINE = 1 << 30  # one exchange per line; the gateway's body limit bounds it long before this
+
+
+def redactor_for(settings: Settings) -> Redactor | None:
+    redaction = settings.capture.redaction
+    return Redactor(builtin=redaction.builtin, patterns=redaction.patterns) \
+        if redaction.builtin or redaction.patterns else None
+
+
+def open_state(settings: Settings) -> StoreState:
+    """Open (or migrate, or refuse) the store and build the recorder around it."""
+    store = Store(settings.database)
+    capture = settings.capture
+    recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
+                        queue_size=capture.queue_size, batch_size=capture.batch_size,
+                        batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s)
+    auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
+                         settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
+    return StoreState(settings=settings, auth=auth, store=store, recorder=recorder)
+
+
+class IngestListener:
+    """Reads the gateway's stream of exchanges into the recorder."""
+
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
+        self.server: asyncio.AbstractServer | None = None
+        self.connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, path: Path) -> None:
+        self.server = await asyncio.start_unix_server(self._read, str(path), limit=_MAX_LINE)
+        os.chmod(path, 0o600)
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
+        self.state.received = 0  # a (re)started gateway counts from zero on its new connection
+        try:
+            while line := await reader.readline():
+                try:
+                    self.state.recorder.submit(CapturedExchange.from_line(line))
+                except (ValueError, TypeError):
+                    log.exception("unreadable exchange from the gateway (%d bytes)", len(line))
+                    self.state.recorder.stats["failed"] += 1
+                self.state.received += 1
+        finally:
+            writer.close()
+            self.connections.discard(task)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting; read what the open connections still hold, up to their end."""
+        if self.server is not None:
+            self.server.close()
+        if self.connections:
+            await asyncio.wait(set(self.connections), timeout=timeout_s)
+
+
+def start_jobs(state: StoreState) -> AsyncIOScheduler:
+    """Background jobs: close idle trajectories, form groups from closed ones."""
+    scheduler = AsyncIOScheduler()
+    store, settings = state.store, state.settings
+    idle_s = settings.capture.idle_close_s
+    scheduler.add_job(asyncio.to_thread, "interval", args=[store.close_idle, idle_s], id="close-idle",
+                      seconds=max(1.0, min(60.0, idle_s / 4)), max_instances=1, coalesce=True)
+    scheduler.add_job(asyncio.to_thread, "interval", id="form-groups", seconds=settings.groups.form_every_s,
+                      args=[feedback_api.run_group_formation, store, settings.groups], max_instances=1,
+                      coalesce=True)
+    scheduler.start()
+    return scheduler
+
+
+async def exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM ourselves once the gateway is gone, so a killed gateway leaves no store process behind."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(0.2)
+    log.warning("the gateway (pid %d) is gone: writing what is left, then exiting", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# -- internal routes: the gateway's own calls (never forwarded from clients) -------------------------------
+
+internal = APIRouter(prefix="/internal")
+
+
+def _json(body: object) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+@internal.get("/ready")
+async def ready() -> Response:
+    return _json({"status": "ok"})
+
+
+@internal.get("/capture-stats")
+async def capture_stats(request: Request) -> Response:
+    """The recorder's turn counters (queued, written, spooled, reingested, failed)."""
+    return _json(dict(StoreState.of(request).recorder.stats))
+
+
+@internal.get("/promoted")
+async def promoted(request: Request) -> Response:
+    """Each alias's latest promoted adapter: what it keeps serving after a restart."""
+    state = StoreState.of(request)
+    out = {}
+    for alias in state.settings.aliases:
+        adapter = await asyncio.to_thread(promoted_version, state.store, alias)
+        if adapter is not None:
+            out[alias] = {"path": adapter.path, "version": adapter.version}
+    return _json(out)
+
+
+@internal.get("/training/batch")
+async def batch(request: Request) -> Response:
+    state = StoreState.of(request)
+    alias = request.query_params.get("alias") or ""
+    max_groups = int(request.query_params.get("max_groups") or state.settings.train.max_groups)
+    await state.caught_up(request)
+    groups = await asyncio.to_thread(training_batch, state.store, alias, max_groups)
+    return _json([g.to_json() for g in groups])
+
+
+@internal.post("/training/rounds")
+async def rounds(request: Request) -> Response:
+    state = StoreState.of(request)
+    body = parse_json_object(await request.body())  # a RoundReport the gateway validated
+    result = round_from_json(body["result"])
+    adapter = await asyncio.to_thread(record_training, state.store, body["alias"], result, version=body["version"],
+                                      parent_version=body.get("parent_version"), promote=bool(body.get("promote")))
+    return _json(adapter.model_dump(mode="json") if adapter is not None else None)
+
+
+def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = await asyncio.to_thread(open_state, settings)
+        app.state.store_state, app.state.metrics = state, state.metrics
+        state.recorder.start()
+        await state.recorder.reingest()  # what an earlier run left in the spool
+        ingest = IngestListener(state)
+        await ingest.start(ingest_socket)
+        scheduler = start_jobs(state)
+        watchdog = asyncio.create_task(exit_with_parent(os.getppid()))
+        log.info("flywheel store process ready: store=%s", settings.database)
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            scheduler.shutdown(wait=False)
+            await ingest.close()  # the gateway closed its end first: everything it sent is read
+            await state.recorder.drain()  # nothing queued is lost
+            state.store.close()
+
+    app = FastAPI(title="Flywheel store", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    for router in STORE_ROUTERS:
+        app.include_router(router)
+    app.include_router(internal)
+    install_error_handlers(app)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Flywheel's store process (started by the gateway).")
+    parser.add_argument("--api-socket", type=Path, required=True)
+    parser.add_argument("--ingest-socket", type=Path, required=True)
+    args = parser.parse_args()
+    settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket),
+                log_level=settings.log_level, timeout_graceful_shutdown=30)
+
+
+if __name__ == "__main__":
+    main()
