@@ -17,6 +17,8 @@ import hashlib
 import json
 from typing import Any
 
+import orjson
+
 ROOT = hashlib.sha256(b"flywheel/1").hexdigest()  # the hash of the empty conversation
 
 
@@ -61,8 +63,10 @@ def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _step(previous: str, message: dict[str, Any]) -> str:
-    encoded = json.dumps(canonical_message(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256((previous + encoded).encode()).hexdigest()
+    # orjson writes the same bytes as json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # for these string-valued dicts (tests/test_canonical.py holds it to that), ~10x faster.
+    encoded = orjson.dumps(canonical_message(message), option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(previous.encode() + encoded).hexdigest()
 
 
 def prefix_hashes(messages: list[dict[str, Any]]) -> list[str]:

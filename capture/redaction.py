@@ -67,10 +67,11 @@ class Redactor:
             except re.error as exc:
                 raise ValueError(f"capture.redaction.patterns[{index}]: invalid regex {pattern!r}: {exc}") from None
         self.rules = tuple(rules)
+        self._substitutions = tuple((rule.pattern, _replacer(rule)) for rule in self.rules)
 
     def text(self, value: str) -> str:
-        for rule in self.rules:
-            value = rule.pattern.sub(_replacer(rule), value)
+        for pattern, replace in self._substitutions:
+            value = pattern.sub(replace, value)
         return value
 
     def message(self, message: dict[str, Any]) -> dict[str, Any]:
