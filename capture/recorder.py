@@ -3,7 +3,8 @@
 - ``submit`` (called after the last byte went to the client) puts the exchange on a
   bounded ``asyncio.Queue`` and returns at once.
 - One writer task takes batches (up to ``batch_size`` turns or ``batch_wait_s`` after
-  the first) and writes each in one transaction on a worker thread.
+  the first, or at once when a reader calls ``flush``) and writes each in one
+  transaction on a worker thread.
 - When the queue is full, or a batch cannot be written, turns go (redacted) to an
   append-only spool file; they are re-ingested once the store accepts writes again.
   Re-ingesting is idempotent: turn ids are fixed before the spool, and stored ids are
@@ -11,12 +12,14 @@
 - ``drain`` (SIGTERM, shutdown) writes whatever is queued before the process exits.
 
 Durability window: a turn is durable once its batch commits, at most ``batch_wait_s``
-plus one batch's write time after ``submit``; a SIGKILL inside that window loses it.
+plus one batch's write time after ``submit``; a SIGKILL of this process inside that
+window loses it (docs/capture.md has the whole path's window).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -92,8 +95,8 @@ class Spool:
 class Recorder:
     """Queue, writer task, spool and counters for captured turns."""
 
-    def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int = 10_000,
-                 batch_size: int = 256, batch_wait_s: float = 0.25, retry_s: float = 2.0) -> None:
+    def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int, batch_size: int,
+                 batch_wait_s: float, retry_s: float) -> None:
         self.store = store
         self.spool = spool
         self.redactor = redactor
@@ -107,6 +110,7 @@ class Recorder:
         self._retry_task: asyncio.Task[None] | None = None
         self._collecting: list[CapturedExchange] = []  # the batch being filled (drain writes it too)
         self._writing: asyncio.Future[None] | None = None  # the batch being written (drain awaits it)
+        self._write_now = asyncio.Event()  # set by flush(): write the batch being collected at once
 
     def submit(self, exchange: CapturedExchange) -> None:
         """Hand over a finished exchange; never blocks, never raises."""
@@ -138,8 +142,9 @@ class Recorder:
         await self.reingest()
 
     async def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until everything submitted so far is written (or spooled), bounded by ``timeout_s``."""
+        """Write everything submitted so far now (or spool it), waiting at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        self._write_now.set()  # a reader is waiting: do not wait for the batch to fill
         while (not self.queue.empty() or self._collecting or self._writing is not None) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
@@ -147,8 +152,10 @@ class Recorder:
     async def _run(self) -> None:
         while True:
             self._collecting.append(await self.queue.get())
-            if self.queue.qsize() < self.batch_size - 1:
-                await asyncio.sleep(self.batch_wait_s)  # let the batch fill: one timer per batch, not per turn
+            if self.queue.qsize() < self.batch_size - 1 and not self._write_now.is_set():
+                with contextlib.suppress(TimeoutError):  # let the batch fill: one timer per batch, not per turn
+                    await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
+            self._write_now.clear()
             while len(self._collecting) < self.batch_size and not self.queue.empty():
                 self._collecting.append(self.queue.get_nowait())
             batch, self._collecting = self._collecting, []

@@ -105,9 +105,14 @@ class CaptureConfig(BaseModel):
     spool_path: Path | None = None  # unset: <data_dir>/spool/turns.jsonl
     idle_close_s: float = 600.0  # a trajectory with no new turn for this long is closed
     queue_size: int = 10_000  # turns waiting for the writer; beyond it they go to the spool
-    batch_size: int = 256  # turns per store transaction
-    batch_wait_s: float = 0.25  # longest wait to fill a batch: the durability window's main term
+    batch_size: int = 1024  # turns per store transaction
+    # Longest wait to fill a batch: what a crash of the store process can lose (a gateway crash loses
+    # ~nothing: docs/capture.md). A reader that needs the latest turns cuts the wait short.
+    batch_wait_s: float = 1.0
     retry_s: float = 2.0  # how often the spool is retried while the store refuses writes
+    # The store process's niceness: on a busy machine the request path gets the cores first and capture
+    # catches up in the gaps (the queue and the spool absorb the backlog). 0 = the gateway's priority.
+    store_nice: int = Field(default=10, ge=0, le=19)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
 
 

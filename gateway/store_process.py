@@ -230,6 +230,7 @@ def main() -> None:
     parser.add_argument("--ingest-socket", type=Path, required=True)
     args = parser.parse_args()
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
+    os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
