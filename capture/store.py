@@ -170,6 +170,12 @@ _PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id 
     bindparam("ids", expanding=True))
 
 
+_TRAJECTORIES = Trajectory.__table__  # type: ignore[attr-defined]
+# The trajectory columns linking a turn changes (TrajectoryLinker._touch_trajectory).
+_TOUCHED = ("status", "closed_at", "close_reason", "turn_count", "branch_count", "latest_turn_id", "updated_at",
+            "group_key")
+
+
 @dataclass
 class _Candidate:
     turn_id: str
@@ -197,7 +203,9 @@ class TrajectoryLinker:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self._trajectories: dict[str, Trajectory] = {}  # stored ones this batch touches
+        # Plain records, not ORM objects: building SQLModel objects costs ~0.4 ms each, and the ORM
+        # would flush every changed one as its own UPDATE (~1 ms each on DuckDB).
+        self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
         self._new_trajectories: dict[str, SimpleNamespace] = {}  # created by this batch
         self._by_hash: dict[str, list[_Candidate]] = {}
         self._latest: dict[str, _Candidate] = {}  # explicit trajectories' latest turns
@@ -205,30 +213,48 @@ class TrajectoryLinker:
         self.turns: list[dict[str, Any]] = []
 
     def prefetch(self, batch: list[PreparedTurn]) -> None:
-        hashes = sorted({h for item in batch for h in item.assistant_prefix_hashes})
-        columns = (col(Turn.id), col(Turn.trajectory_id), col(Turn.depth), col(Turn.client_key_id))
-        found: list[tuple[str, _Candidate]] = []
-        for chunk in _chunks(hashes, 500):
-            rows = self.session.execute(_CANDIDATES, {"hashes": chunk})
-            found += [(h_out, self._candidate(turn_id, trajectory_id, depth, key))
-                      for turn_id, trajectory_id, depth, key, h_out in rows]
-        wanted = sorted({c.trajectory_id for _, c in found} |
+        # Most requests continue their last assistant message: probe that prefix for every turn, and
+        # the older ones (a rewind, a retry) only for the turns it did not resolve. Each hash is an
+        # ART index probe (~35 us on DuckDB), so this is one probe per turn in the common case.
+        # Results are read with .all(): iterating a duckdb_engine result fetches row by row (~40 us each).
+        last = {item.assistant_prefix_hashes[0] for item in batch if item.assistant_prefix_hashes}
+        self._probe(last)
+        older: set[str] = set()
+        answered_in_batch: set[str] = set()
+        for item in batch:
+            hashes = item.assistant_prefix_hashes
+            if hashes and hashes[0] not in answered_in_batch and not self._resolves(item, hashes[0]):
+                older.update(hashes[1:])
+            answered_in_batch.add(item.row["h_out"])
+        self._probe(older - last)
+        wanted = sorted({c.trajectory_id for c in self._candidates.values()} |
                         {item.explicit_trajectory_id for item in batch if item.explicit_trajectory_id})
         for chunk in _chunks(wanted, 500):
-            for trajectory in self.session.exec(select(Trajectory).where(col(Trajectory.id).in_(chunk))):
-                self._trajectories[trajectory.id] = trajectory
+            query = sa_select(*_TRAJECTORIES.columns).where(_TRAJECTORIES.c.id.in_(chunk))
+            for row in self.session.execute(query).mappings().all():
+                self._trajectories[row["id"]] = SimpleNamespace(**row)
         latest_ids = sorted(t.latest_turn_id for t in self._trajectories.values() if t.explicit and t.latest_turn_id)
+        columns = (col(Turn.id), col(Turn.trajectory_id), col(Turn.depth), col(Turn.client_key_id))
         for chunk in _chunks(latest_ids, 500):
             for turn_id, trajectory_id, depth, key in self.session.execute(sa_select(*columns)
-                                                                           .where(col(Turn.id).in_(chunk))):
+                                                                           .where(col(Turn.id).in_(chunk))).all():
                 self._latest[trajectory_id] = self._candidate(turn_id, trajectory_id, depth, key)
         # Which candidates already have a child (claimed): a second indexed lookup, by parent id.
         by_id = self._candidates
         for chunk in _chunks(sorted(by_id), 500):
-            for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}):
+            for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}).all():
                 by_id[parent_id].has_children = True
-        for h_out, candidate in found:
-            self._by_hash.setdefault(h_out, []).append(candidate)
+
+    def _probe(self, hashes: set[str]) -> None:
+        """Stored turns whose ``h_out`` is one of ``hashes``, into ``_by_hash`` (oldest first)."""
+        for chunk in _chunks(sorted(hashes), 500):
+            for turn_id, trajectory_id, depth, key, h_out in self.session.execute(_CANDIDATES, {"hashes": chunk}).all():
+                self._by_hash.setdefault(h_out, []).append(self._candidate(turn_id, trajectory_id, depth, key))
+
+    def _resolves(self, item: PreparedTurn, h: str) -> bool:
+        """Whether a stored turn ending in ``h`` can be this turn's parent (same key; same explicit trajectory)."""
+        return any(c.client_key_id == item.row["client_key_id"] and
+                   item.explicit_trajectory_id in (None, c.trajectory_id) for c in self._by_hash.get(h, ()))
 
     def _candidate(self, turn_id: str, trajectory_id: str, depth: int, key: str | None) -> _Candidate:
         """One object per stored turn, so marking it claimed is seen by every path that found it."""
@@ -264,10 +290,10 @@ class TrajectoryLinker:
         return turn
 
     def add_all(self) -> None:
-        """Write the batch: new rows in one multi-row INSERT per table, changed trajectories through the ORM."""
+        """Write the batch: one multi-row INSERT per table, one UPDATE for the stored trajectories it continued."""
         bulk_insert(self.session, Turn, self.turns)
         bulk_insert(self.session, Trajectory, [vars(t) for t in self._new_trajectories.values()])
-        self.session.add_all(self._trajectories.values())
+        bulk_update(self.session, Trajectory, [vars(t) for t in self._trajectories.values()], _TOUCHED)
 
     def _find_parent(self, prefix_hashes: list[str], client_key_id: str | None) -> _Candidate | None:
         for h in prefix_hashes:
@@ -293,13 +319,12 @@ class TrajectoryLinker:
                     trajectory_id)
         return False
 
-    def _trajectory(self, trajectory_id: str) -> Trajectory | SimpleNamespace | None:
+    def _trajectory(self, trajectory_id: str) -> SimpleNamespace | None:
         return self._trajectories.get(trajectory_id) or self._new_trajectories.get(trajectory_id)
 
     def _touch_trajectory(self, turn: dict[str, Any], *, explicit: bool, branched: bool) -> None:
         trajectory = self._trajectory(turn["trajectory_id"])
         if trajectory is None:
-            # A plain record, bulk-inserted at the end: building SQLModel objects costs ~0.4 ms each.
             trajectory = SimpleNamespace(
                 id=turn["trajectory_id"], alias=turn["alias"], status="open", explicit=explicit,
                 client_key_id=turn["client_key_id"], task_key=turn["task_key"], group_key=turn["group_key"],
@@ -326,7 +351,7 @@ def _connect_args(url: str) -> dict[str, Any]:
 def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, Any]]) -> None:
     """Insert many rows at once: from an Arrow table on DuckDB, by executemany elsewhere.
 
-    DuckDB spends ~2-3 ms of CPU per row on parameter-bound INSERTs (executemany included);
+    DuckDB spends ~2-3 ms of CPU per parameter-bound INSERT row (executemany included);
     an Arrow table goes in with one ``INSERT ... SELECT`` at a few microseconds per row.
     """
     if not rows:
@@ -335,20 +360,41 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
     if session.get_bind().dialect.name != "duckdb":
         session.execute(insert(table), rows)
         return
+    names = ", ".join(f'"{c.name}"' for c in table.columns)
+    with _arrow_view(session, table, rows, [c.name for c in table.columns]) as view:
+        session.connection().exec_driver_sql(f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM {view}')
+
+
+def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    """Set ``columns`` of many rows (matched by ``id``) at once: one ``UPDATE ... FROM`` an Arrow table on
+    DuckDB (a parameter-bound UPDATE costs ~1 ms per row there), executemany elsewhere."""
+    if not rows:
+        return
+    table = model.__table__  # type: ignore[attr-defined]
+    if session.get_bind().dialect.name != "duckdb":
+        statement = table.update().where(table.c.id == bindparam("_id")).values({c: bindparam(c) for c in columns})
+        session.execute(statement, [{"_id": r["id"], **{c: r[c] for c in columns}} for r in rows])
+        return
+    assignments = ", ".join(f'"{c}" = source."{c}"' for c in columns)
+    with _arrow_view(session, table, rows, ["id", *columns]) as view:
+        session.connection().exec_driver_sql(
+            f'UPDATE "{table.name}" SET {assignments} FROM {view} AS source WHERE "{table.name}".id = source.id')
+
+
+@contextmanager
+def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], columns: list[str]) -> Iterator[str]:
+    """``rows`` as an Arrow table registered on the session's DuckDB connection, by name, for one statement."""
     import pyarrow as pa
 
-    columns = [c.name for c in table.columns]
     json_columns = {c.name for c in table.columns if isinstance(c.type, JSON)}
     data = {name: [_json_text(r.get(name)) if name in json_columns else r.get(name) for r in rows]
             for name in columns}
-    arrow = pa.table(data)
     connection = session.connection().connection.dbapi_connection
     assert connection is not None
-    view = f"_flywheel_bulk_{table.name}"
-    connection.register(view, arrow)
+    view = f"_flywheel_rows_{table.name}"
+    connection.register(view, pa.table(data))
     try:
-        names = ", ".join(f'"{c}"' for c in columns)
-        connection.execute(f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM {view}')
+        yield view
     finally:
         connection.unregister(view)
 
