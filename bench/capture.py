@@ -149,7 +149,9 @@ def time_lookups(store: Store, n: int, lookups: int, seed: int = 0) -> dict[str,
             hashes.insert(rng.randrange(4), session.execute(text("SELECT sha256(:v)"), {"v": f"out{hit}"}).scalar())
             started = time.perf_counter()
             linker = TrajectoryLinker(session)  # one per batch, as Store.write_turns does; here a batch of one
-            linker.prefetch([PreparedTurn(row={}, explicit_trajectory_id=None, assistant_prefix_hashes=hashes)])
+            request = PreparedTurn(row={"h_out": "", "client_key_id": None}, explicit_trajectory_id=None,
+                                   assistant_prefix_hashes=hashes)
+            linker.prefetch([request])
             parent = linker._find_parent(hashes, None)
             session.expunge_all()  # the store opens a fresh session per batch
             durations.append(time.perf_counter() - started)

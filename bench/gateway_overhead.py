@@ -19,9 +19,10 @@ LiteLLM), with the same chat request:
    turns in rounds, so background noise lands on all of them alike;
 2. throughput (req/s) with 1, 16 and 64 concurrent connections, each for a fixed time;
 3. sequential streaming requests: time to the first body chunk (p50) and what it adds;
-4. the server process's CPU time per request (``/proc`` via psutil), including work it
-   defers past the response (capture writes): after every segment the script waits until
-   the servers are idle again, so one target's leftovers never land on the next one.
+4. the server processes' CPU time per request (``/proc`` via psutil; Flywheel's store
+   process included), including work they defer past the response (capture writes):
+   after every segment the script waits until the servers are idle again, so one
+   target's leftovers never land on the next one.
 
 The load generator is a raw HTTP/1.1 client (asyncio + httptools on uvloop: ~0.05 ms of
 CPU per request, where ``httpx.AsyncClient`` takes ~1 ms), but it still shares the
@@ -86,9 +87,9 @@ class Args:
     startup_timeout_s: float = 120.0
     """how long to wait for each server to answer (LiteLLM's import alone takes ~10-20 s)"""
     request_timeout_s: float = 30.0
+    """a request slower than this fails the run"""
     quiet_s: float = 1.5
     """idle time after which the servers count as settled: longer than Flywheel's capture batch timer (1 s)"""
-    """a request slower than this fails the run"""
     json: str | None = None
     """also write the results to this JSON file"""
     keep_logs: bool = False
@@ -562,7 +563,8 @@ def print_report(results: dict[str, dict[str, Any]], args: Args, info: dict[str,
                         f"{r['server_cpu_ms_per_req']:.3f}")
     console.print(latency)
     console.print("added = target minus direct; TTFC = time to the first streamed body chunk; server CPU = "
-                  "user+system time of the server process (mock excluded) per request, deferred work included")
+                  "user+system time of the server's processes (mock excluded; Flywheel's store process included) "
+                  "per request, deferred work included")
 
     top = args.concurrency[-1]
     throughput = Table(title=f"Throughput, {args.duration_s:g} s per run (req/s; the whole 2-core box: "
