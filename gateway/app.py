@@ -107,7 +107,9 @@ def build_app(settings: Settings) -> FastAPI:
 
 
 async def forward_to_store(request: Request) -> Response:
-    return await GatewayState.of(request).store_link.forward(request)
+    state = GatewayState.of(request)
+    body = await openai_api.read_body(request, state.settings.max_body_bytes)  # 413 here, before forwarding
+    return await state.store_link.forward(request, body)
 
 
 async def healthz(request: Request) -> Response:

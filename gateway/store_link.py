@@ -220,8 +220,9 @@ class StoreLink:
             raise _error_from(response.status, body)
         return orjson.loads(body)
 
-    async def forward(self, request: Request) -> Response:
-        """Send a client's request to the store process as it came; stream the answer back."""
+    async def forward(self, request: Request, body: bytes) -> Response:
+        """Send a client's request (its ``body`` already read) to the store process as it came; stream the
+        answer back."""
         self._flush()  # what this client was just answered is on the stream before its request is
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
         headers[INGEST_SEQ_HEADER] = str(self.sent)
@@ -231,7 +232,7 @@ class StoreLink:
                   encoded=True)
         try:
             assert self._http is not None
-            response = await self._http.request(request.method, url, headers=headers, data=await request.body())
+            response = await self._http.request(request.method, url, headers=headers, data=body)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"The store process is not reachable ({type(exc).__name__}); try again.") from None
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_RETURNED}
