@@ -41,10 +41,12 @@ def _json(body: Any) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def _caller(request: Request) -> tuple[Store, Owner]:
-    """The store and whose completions the caller may see (401 on a wrong key)."""
+async def _caller(request: Request) -> tuple[Store, Owner]:
+    """The store, caught up with what the gateway answered so far, and whose completions the caller may
+    see (401 on a wrong key)."""
     state = StoreState.of(request)
     key_id = state.auth.client(request)
+    await state.caught_up(request)
     return state.store, (key_id if key_id is not None else EVERY_KEY)
 
 
@@ -62,7 +64,7 @@ async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
 
 @router.get("/v1/chat/completions")
 async def list_chat_completions(request: Request) -> Response:
-    store, owner = _caller(request)
+    store, owner = await _caller(request)
     params = request.query_params
     metadata = {match.group(1): value for name, value in params.multi_items()
                 if (match := _METADATA_PARAM.match(name))}
@@ -79,7 +81,7 @@ async def list_chat_completions(request: Request) -> Response:
 
 @router.get("/v1/chat/completions/{completion_id}")
 async def retrieve_chat_completion(completion_id: str, request: Request) -> Response:
-    store, owner = _caller(request)
+    store, owner = await _caller(request)
     found = await _run(queries.get_completion, store, completion_id, owner)
     if found is None:
         raise _not_found(completion_id)
@@ -88,7 +90,7 @@ async def retrieve_chat_completion(completion_id: str, request: Request) -> Resp
 
 @router.post("/v1/chat/completions/{completion_id}")
 async def update_chat_completion(completion_id: str, request: Request) -> Response:
-    store, owner = _caller(request)
+    store, owner = await _caller(request)
     body = parse_json_object(await read_body(request, StoreState.of(request).settings.max_body_bytes))
     if "metadata" not in body:
         raise BadRequest("Missing required parameter: 'metadata'.", param="metadata",
@@ -102,7 +104,7 @@ async def update_chat_completion(completion_id: str, request: Request) -> Respon
 
 @router.delete("/v1/chat/completions/{completion_id}")
 async def delete_chat_completion(completion_id: str, request: Request) -> Response:
-    store, owner = _caller(request)
+    store, owner = await _caller(request)
     if not await _run(queries.delete_completion, store, completion_id, owner):
         raise _not_found(completion_id)
     return _json({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
@@ -110,7 +112,7 @@ async def delete_chat_completion(completion_id: str, request: Request) -> Respon
 
 @router.get("/v1/chat/completions/{completion_id}/messages")
 async def list_chat_completion_messages(completion_id: str, request: Request) -> Response:
-    store, owner = _caller(request)
+    store, owner = await _caller(request)
     params = request.query_params
     try:
         limit = queries.parse_limit(params.get("limit"), "limit", default=20, maximum=_MAX_LIMIT)

@@ -42,9 +42,11 @@ def _json(body: Any) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def _admin(request: Request) -> Store:
+async def _admin(request: Request) -> Store:
+    """The store, caught up with what the gateway answered so far (401 without the admin key)."""
     state = StoreState.of(request)
     state.auth.admin(request)
+    await state.caught_up(request)
     return state.store
 
 
@@ -62,7 +64,7 @@ async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
 
 @router.get("/trajectories")
 async def list_trajectories(request: Request) -> Response:
-    store = _admin(request)
+    store = await _admin(request)
     params = request.query_params
     try:
         flt = TrajectoryFilter.from_query({k: params[k] for k in _FILTERS if k in params})
@@ -77,7 +79,7 @@ async def list_trajectories(request: Request) -> Response:
 
 @router.delete("/trajectories")
 async def delete_client_trajectories(request: Request) -> Response:
-    store = _admin(request)
+    store = await _admin(request)
     client_key_id = request.query_params.get("client_key_id")
     if not client_key_id:
         raise BadRequest("Missing required parameter: 'client_key_id' (deleting every trajectory is not offered).",
@@ -89,7 +91,7 @@ async def delete_client_trajectories(request: Request) -> Response:
 
 @router.get("/trajectories/{trajectory_id:path}/export")
 async def export_trajectory(trajectory_id: str, request: Request) -> Response:
-    store = _admin(request)
+    store = await _admin(request)
     fmt = request.query_params.get("format", "openai")
     if fmt not in ("openai", "art"):
         raise BadRequest(f"Invalid value for 'format': expected 'openai' or 'art', got {fmt!r} "
@@ -125,7 +127,7 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
 
 @router.get("/trajectories/{trajectory_id:path}")
 async def show_trajectory(trajectory_id: str, request: Request) -> Response:
-    store = _admin(request)
+    store = await _admin(request)
     detail = await _run(queries.trajectory_detail, store, trajectory_id)
     if detail is None:
         raise _not_found(trajectory_id)
@@ -134,7 +136,7 @@ async def show_trajectory(trajectory_id: str, request: Request) -> Response:
 
 @router.delete("/trajectories/{trajectory_id:path}")
 async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
-    store = _admin(request)
+    store = await _admin(request)
     counts = await _run(queries.delete_trajectory, store, trajectory_id)
     if counts is None:
         raise _not_found(trajectory_id)

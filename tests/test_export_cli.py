@@ -27,7 +27,7 @@ from capture.trajectory import Trajectory
 from gateway.cli import app
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI, free_port
-from tests.test_stored_completions import gateway_config, scripted_reply, wait_until
+from tests.test_stored_completions import gateway_config, scripted_reply
 
 ADMIN = "cli-admin"
 SYSTEM = {"role": "system", "content": "You help travellers."}
@@ -58,12 +58,10 @@ def made(gateway: GatewayProcess) -> dict[str, Any]:
                                    extra_headers={"X-Flywheel-Trajectory-Id": "chat/2"})
     admin = {"authorization": f"Bearer {ADMIN}"}
 
-    def listed() -> dict[str, Any] | None:
-        page: dict[str, Any] = httpx.get(f"{gateway.url}/flywheel/v1/trajectories", params={"limit": 50},
-                                         headers=admin).json()
-        return page if sum(t["turn_count"] for t in page["data"]) == 3 else None
-
-    return {"page": wait_until(listed), "ask": ask, "follow": follow}
+    page: dict[str, Any] = httpx.get(f"{gateway.url}/flywheel/v1/trajectories", params={"limit": 50},
+                                     headers=admin).json()
+    assert sum(t["turn_count"] for t in page["data"]) == 3  # every turn in, no waiting
+    return {"page": page, "ask": ask, "follow": follow}
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 One gateway for the module: the upstream engine on a scripted server (known replies, no
 model), two client keys (to prove one never sees the other's completions) and an admin key.
-Captured turns become visible about ``batch_wait_s`` after the response, so reads poll.
+Reads see every completion answered before them (the store process catches up first), so
+nothing here polls.
 (A gateway without client keys, where every completion is visible, is exercised in
 ``test_export_cli.py``; choices of one completion and forked siblings in ``test_trajectories_api.py``.)
 """
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -23,19 +24,6 @@ from tests.scripted_openai import Reply, ScriptedOpenAI
 from tests.test_errors import assert_openai_error
 
 KEY_A, KEY_B, ADMIN = "sk-stored-a", "sk-stored-b", "stored-admin"
-T = TypeVar("T")
-
-
-def wait_until(probe: Callable[[], T | None], timeout_s: float = 5.0) -> T:
-    """Poll ``probe`` until it returns something truthy (captured turns land ~50 ms after a response)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nothing after {timeout_s} s")
-        time.sleep(0.05)
 
 
 def scripted_reply(body: dict[str, Any]) -> Reply:
@@ -88,7 +76,7 @@ def client_b(gateway: GatewayProcess) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def made(client_a: openai.OpenAI, client_b: openai.OpenAI) -> dict[str, Any]:
-    """Five completions by key A (in order, some tagged), one by key B; waits until all are stored."""
+    """Five completions by key A (in order, some tagged), one by key B; listed at once, no waiting."""
     a_ids = []
     for i in range(5):
         tag = {"run": "r1", "i": str(i)} if i % 2 == 0 else {"run": "r2", "i": str(i)}
@@ -101,8 +89,8 @@ def made(client_a: openai.OpenAI, client_b: openai.OpenAI) -> dict[str, Any]:
         time.sleep(0.01)  # distinct arrival times, so the order is the order of creation
     tool = client_a.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "weather?"}])
     b_id = client_b.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "mine"}]).id
-    wait_until(lambda: len(client_a.chat.completions.list(limit=100).data) == 6)
-    wait_until(lambda: client_b.chat.completions.list().data)
+    assert len(client_a.chat.completions.list(limit=100).data) == 6
+    assert [c.id for c in client_b.chat.completions.list().data] == [b_id]
     return {"a": a_ids, "tool": tool, "b": b_id}
 
 
@@ -213,5 +201,5 @@ def test_creating_still_works_on_the_same_path(client_a: openai.OpenAI) -> None:
     """``GET /v1/chat/completions`` lists; ``POST`` still creates."""
     reply = client_a.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "again"}])
     assert reply.choices[0].message.content == "echo again"
-    assert wait_until(lambda: client_a.chat.completions.retrieve(reply.id) if reply.id in
-                      [c.id for c in client_a.chat.completions.list(order="desc", limit=3)] else None)
+    assert client_a.chat.completions.retrieve(reply.id).id == reply.id  # readable as soon as it was answered
+    assert reply.id in [c.id for c in client_a.chat.completions.list(order="desc", limit=3)]

@@ -27,7 +27,7 @@ from capture.trajectory import Trajectory as ArtTrajectory
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_errors import assert_openai_error
-from tests.test_stored_completions import gateway_config, scripted_reply, wait_until
+from tests.test_stored_completions import gateway_config, scripted_reply
 
 KEY_A, KEY_B, ADMIN = "sk-traj-a", "sk-traj-b", "traj-admin"
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -71,11 +71,8 @@ def made(gateway: GatewayProcess, admin: httpx.Client) -> dict[str, str]:
     say(b, [*third, {"role": "user", "content": "more"}])
     say(b, [SYSTEM, {"role": "user", "content": "key b again"}])
 
-    def stored() -> list[dict[str, Any]] | None:
-        data: list[dict[str, Any]] = admin.get("/trajectories").json()["data"]
-        return data if sum(t["turn_count"] for t in data) == 7 else None
-
-    newest_first = wait_until(stored)
+    newest_first: list[dict[str, Any]] = admin.get("/trajectories").json()["data"]  # every turn in, no waiting
+    assert sum(t["turn_count"] for t in newest_first) == 7
     assert len(newest_first) == 4
     conv4, conv3, conv2, conv1 = (t["id"] for t in newest_first)
     return {"conv1": conv1, "conv2": conv2, "conv3": conv3, "conv4": conv4}
