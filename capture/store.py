@@ -372,8 +372,10 @@ def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, An
         return
     table = model.__table__  # type: ignore[attr-defined]
     if session.get_bind().dialect.name != "duckdb":
-        statement = table.update().where(table.c.id == bindparam("_id")).values({c: bindparam(c) for c in columns})
-        session.execute(statement, [{"_id": r["id"], **{c: r[c] for c in columns}} for r in rows])
+        # Bind names must differ from the column names SQLAlchemy reserves for the SET clause.
+        values: dict[str, Any] = {c: bindparam(f"_{c}") for c in columns}
+        statement = table.update().where(table.c.id == bindparam("_id")).values(values)
+        session.execute(statement, [{"_id": r["id"], **{f"_{c}": r[c] for c in columns}} for r in rows])
         return
     assignments = ", ".join(f'"{c}" = source."{c}"' for c in columns)
     with _arrow_view(session, table, rows, ["id", *columns]) as view:

@@ -1,11 +1,17 @@
-"""The linker across batches, on a real DuckDB file: stored trajectories are continued, counted and branched."""
+"""The linker across batches, on a real file: stored trajectories are continued, counted and branched.
+
+Each test runs on DuckDB (the default store) and on SQLite, which takes the same generic
+write path as PostgreSQL (executemany instead of DuckDB's Arrow inserts and updates).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlmodel import col, select
 
 from capture.models import Trajectory, Turn
@@ -13,6 +19,14 @@ from capture.store import Store
 from capture.turns import CapturedExchange, prepare_turns
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+@pytest.fixture(params=["duckdb", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    url: Path | str = tmp_path / "s.duckdb" if request.param == "duckdb" else f"sqlite:///{tmp_path / 's.sqlite'}"
+    opened = Store(url)
+    yield opened
+    opened.close()
 
 
 def exchange(i: int, messages: list[dict[str, Any]], answer: str) -> CapturedExchange:
@@ -28,46 +42,39 @@ def write(store: Store, *exchanges: CapturedExchange) -> None:
     store.write_turns([turn for e in exchanges for turn in prepare_turns(e, None)])
 
 
-def test_a_conversation_over_three_batches_is_one_trajectory_with_a_rewind_as_a_branch(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.duckdb")
-    try:
-        q1 = [{"role": "user", "content": "plan a trip"}]
-        write(store, exchange(1, q1, "where to?"), exchange(2, [{"role": "user", "content": "other"}], "hi"))
-        q2 = [*q1, {"role": "assistant", "content": "where to?"}, {"role": "user", "content": "Lisbon"}]
-        write(store, exchange(3, q2, "booked"))
-        q3 = [*q2, {"role": "assistant", "content": "booked"}, {"role": "user", "content": "thanks"}]
-        rewound = [*q1, {"role": "assistant", "content": "where to?"}, {"role": "user", "content": "Porto"}]
-        write(store, exchange(4, q3, "bye"), exchange(5, rewound, "booked Porto"))
-        with store.session() as session:
-            trajectories = session.exec(select(Trajectory).order_by(col(Trajectory.created_at))).all()
-            turns = session.exec(select(Turn).order_by(col(Turn.created_at))).all()
-        trip, other = trajectories
-        assert (other.turn_count, other.branch_count) == (1, 1)
-        assert (trip.turn_count, trip.branch_count, trip.status) == (4, 2, "open")
-        assert trip.latest_turn_id == turns[-1].id and trip.updated_at == T0 + timedelta(seconds=5)
-        by_answer = {t.response_message["content"]: t for t in turns}
-        assert by_answer["bye"].parent_turn_id == by_answer["booked"].id
-        assert by_answer["booked Porto"].parent_turn_id == by_answer["where to?"].id  # the branch point
-        assert {t.trajectory_id for t in turns if t.id != by_answer["hi"].id} == {trip.id}
-    finally:
-        store.close()
+def test_a_conversation_over_three_batches_is_one_trajectory_with_a_rewind_as_a_branch(store: Store) -> None:
+    q1 = [{"role": "user", "content": "plan a trip"}]
+    write(store, exchange(1, q1, "where to?"), exchange(2, [{"role": "user", "content": "other"}], "hi"))
+    q2 = [*q1, {"role": "assistant", "content": "where to?"}, {"role": "user", "content": "Lisbon"}]
+    write(store, exchange(3, q2, "booked"))
+    q3 = [*q2, {"role": "assistant", "content": "booked"}, {"role": "user", "content": "thanks"}]
+    rewound = [*q1, {"role": "assistant", "content": "where to?"}, {"role": "user", "content": "Porto"}]
+    write(store, exchange(4, q3, "bye"), exchange(5, rewound, "booked Porto"))
+    with store.session() as session:
+        trajectories = session.exec(select(Trajectory).order_by(col(Trajectory.created_at))).all()
+        turns = session.exec(select(Turn).order_by(col(Turn.created_at))).all()
+    trip, other = trajectories
+    assert (other.turn_count, other.branch_count) == (1, 1)
+    assert (trip.turn_count, trip.branch_count, trip.status) == (4, 2, "open")
+    assert trip.latest_turn_id == turns[-1].id
+    assert trip.updated_at.replace(tzinfo=None) == datetime(2026, 11, 1, 0, 0, 5)  # SQLite drops the zone
+    by_answer = {t.response_message["content"]: t for t in turns}
+    assert by_answer["bye"].parent_turn_id == by_answer["booked"].id
+    assert by_answer["booked Porto"].parent_turn_id == by_answer["where to?"].id  # the branch point
+    assert {t.trajectory_id for t in turns if t.id != by_answer["hi"].id} == {trip.id}
 
 
-def test_a_closed_trajectory_is_not_continued(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.duckdb")
-    try:
-        q1 = [{"role": "user", "content": "hello"}]
-        write(store, exchange(1, q1, "hi"))
-        with store.session() as session:
-            first = session.exec(select(Trajectory)).one()
-        store.close_trajectory(first.id)
-        write(store, exchange(2, [*q1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}],
-                              "hi again"))
-        with store.session() as session:
-            trajectories = {t.id: t for t in session.exec(select(Trajectory)).all()}
-            latest = session.exec(select(Turn).where(Turn.completion_id == "chatcmpl-2")).one()
-        assert len(trajectories) == 2 and trajectories[first.id].status == "closed"
-        assert trajectories[first.id].turn_count == 1
-        assert latest.trajectory_id != first.id and latest.parent_turn_id is not None  # history kept by parent
-    finally:
-        store.close()
+def test_a_closed_trajectory_is_not_continued(store: Store) -> None:
+    q1 = [{"role": "user", "content": "hello"}]
+    write(store, exchange(1, q1, "hi"))
+    with store.session() as session:
+        first = session.exec(select(Trajectory)).one()
+    store.close_trajectory(first.id)
+    write(store, exchange(2, [*q1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}],
+                          "hi again"))
+    with store.session() as session:
+        trajectories = {t.id: t for t in session.exec(select(Trajectory)).all()}
+        latest = session.exec(select(Turn).where(Turn.completion_id == "chatcmpl-2")).one()
+    assert len(trajectories) == 2 and trajectories[first.id].status == "closed"
+    assert trajectories[first.id].turn_count == 1
+    assert latest.trajectory_id != first.id and latest.parent_turn_id is not None  # history kept by parent
