@@ -198,14 +198,14 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await asyncio.to_thread(open_state, settings)
         app.state.store_state, app.state.metrics = state, state.metrics
+        await asyncio.to_thread(state.store.warm_up)
         state.recorder.start()
         await state.recorder.reingest()  # what an earlier run left in the spool
         ingest = IngestListener(state)
         await ingest.start(ingest_socket)
         scheduler = start_jobs(state)
         watchdog = asyncio.create_task(exit_with_parent(os.getppid()))
-        await asyncio.to_thread(state.store.warm_up)
-        tune_gc()
+        tune_gc()  # last: everything the process keeps is allocated by now
         log.info("flywheel store process ready: store=%s", settings.database)
         try:
             yield
