@@ -32,7 +32,7 @@ import orjson
 
 from capture.redaction import Redactor
 from capture.store import Store
-from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
+from capture.turns import CapturedExchange, PreparedTurn, prepare_batch
 
 log = logging.getLogger("flywheel.recorder")
 
@@ -80,6 +80,16 @@ class Spool:
         """Files moved aside by a take() whose write never finished (a crash): ingest them too."""
         return sorted(self.path.parent.glob(self.path.stem + ".ingesting-*"))
 
+    def keep(self, turns: list[PreparedTurn], stats: Counter[str]) -> None:
+        """Append ``turns``, counting them in ``stats`` as spooled, or as failed (lost) when even the
+        spool cannot be written."""
+        try:
+            self.append(turns)
+            stats["spooled"] += len(turns)
+        except OSError:
+            log.exception("spool write failed: %d turns lost", len(turns))
+            stats["failed"] += len(turns)
+
     @staticmethod
     def read(path: Path) -> list[PreparedTurn]:
         return [PreparedTurn.from_json(orjson.loads(line)) for line in path.read_bytes().splitlines() if line.strip()]
@@ -118,7 +128,7 @@ class Recorder:
             self.queue.put_nowait(exchange)
             self.stats["queued"] += 1
         except asyncio.QueueFull:
-            self._spool(self._prepare([exchange]))
+            self.spool.keep(prepare_batch([exchange], self.redactor), self.stats)
         except Exception:  # capture must never fail a client request
             log.exception("could not capture exchange %s", exchange.completion_id)
             self.stats["failed"] += 1
@@ -170,30 +180,19 @@ class Recorder:
                         len(prepared))
             self.store_ok = False
         if written is None:
-            self._spool(prepared)
+            self.spool.keep(prepared, self.stats)
         else:
             self.stats["written"] += written
 
     def _persist(self, batch: list[CapturedExchange]) -> tuple[list[PreparedTurn], int | None, Exception | None]:
         """Prepare and write on the worker thread (one hop per batch); ``None`` written: spool them."""
-        prepared = self._prepare(batch)
+        prepared = prepare_batch(batch, self.redactor)
         if not self.store_ok:
             return prepared, None, None
         try:
             return prepared, self.store.write_turns(prepared), None
         except Exception as exc:
             return prepared, None, exc
-
-    def _prepare(self, batch: list[CapturedExchange]) -> list[PreparedTurn]:
-        return [turn for exchange in batch for turn in prepare_turns(exchange, self.redactor)]
-
-    def _spool(self, prepared: list[PreparedTurn]) -> None:
-        try:
-            self.spool.append(prepared)
-            self.stats["spooled"] += len(prepared)
-        except OSError:
-            log.exception("spool write failed: %d turns lost", len(prepared))
-            self.stats["failed"] += len(prepared)
 
     async def _reingest_loop(self) -> None:
         while True:

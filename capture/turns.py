@@ -137,6 +137,10 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
     return out
 
 
+def prepare_batch(batch: list[CapturedExchange], redactor: Redactor | None) -> list[PreparedTurn]:
+    return [turn for exchange in batch for turn in prepare_turns(exchange, redactor)]
+
+
 def _request_messages(exchange: CapturedExchange) -> list[dict[str, Any]]:
     if exchange.endpoint == "chat.completions":
         return list(exchange.request.get("messages") or [])

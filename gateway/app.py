@@ -70,9 +70,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
             await router.switch_adapter(alias, cfg.adapter)
         elif alias in promoted:  # what training promoted last time keeps being served after a restart
             await router.switch_adapter(alias, promoted[alias]["path"], version=promoted[alias]["version"])
-    auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
-                         settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
-    state = GatewayState(settings=settings, engines=engines, router=router, auth=auth, store_link=store_link,
+    state = GatewayState(settings=settings, engines=engines, router=router,
+                         auth=Authenticator.from_config(settings.auth), store_link=store_link,
                          started_at=int(time.time()))
     state.metrics.watch_capture(store_link.capture_counts)
     return state

@@ -14,6 +14,7 @@ import secrets
 
 from starlette.requests import Request
 
+from gateway.config import AuthConfig
 from gateway.errors import Unauthorized
 
 
@@ -55,6 +56,11 @@ class Authenticator:
     def __init__(self, client_keys: list[str], admin_key: str | None) -> None:
         self.client_keys = KeyRing(client_keys)
         self.admin_key = KeyRing([admin_key] if admin_key else [])
+
+    @classmethod
+    def from_config(cls, config: AuthConfig) -> Authenticator:
+        return cls([k.get_secret_value() for k in config.api_keys],
+                   config.admin_key.get_secret_value() if config.admin_key else None)
 
     def client(self, request: Request) -> str | None:
         """The caller's key id (None when client auth is off); 401 when the key is wrong."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,9 +54,7 @@ class StoreState:
     auth: Authenticator
     store: Store
     recorder: Recorder
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     received: int = 0  # exchanges read from the gateway's current ingest connection
-    ingest_stats: Counter[str] = field(default_factory=Counter)
 
     @staticmethod
     def of(request: Request) -> StoreState:

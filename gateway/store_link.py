@@ -33,7 +33,7 @@ from yarl import URL
 
 from capture.recorder import Spool
 from capture.redaction import Redactor
-from capture.turns import CapturedExchange, prepare_turns
+from capture.turns import CapturedExchange, prepare_batch
 from gateway.config import Settings
 from gateway.errors import OpenAIError, UpstreamError
 from gateway.state import INGEST_SEQ_HEADER
@@ -122,23 +122,13 @@ class StoreLink:
         writer = self._ingest
         try:
             if writer is None or not self.up or writer.transport.get_write_buffer_size() > self.max_backlog_bytes:
-                self._spool(batch)
+                self.spool.keep(prepare_batch(batch, self.redactor), self.stats)  # redacted, as always
                 return
             writer.write(b"".join(exchange.to_line() for exchange in batch))
             self.sent += len(batch)
         except Exception:  # capture must never fail a client request
             log.exception("could not hand %d exchanges to the store process", len(batch))
             self.stats["failed"] += len(batch)
-
-    def _spool(self, batch: list[CapturedExchange]) -> None:
-        """Redact and spool what the store process cannot take now (it re-ingests the spool)."""
-        prepared = [turn for exchange in batch for turn in prepare_turns(exchange, self.redactor)]
-        try:
-            self.spool.append(prepared)
-            self.stats["spooled"] += len(prepared)
-        except OSError:
-            log.exception("spool write failed: %d turns lost", len(prepared))
-            self.stats["failed"] += len(prepared)
 
     async def refresh_capture_counts(self) -> None:
         try:
@@ -235,6 +225,9 @@ class StoreLink:
             response = await self._http.request(request.method, url, headers=headers, data=body)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"The store process is not reachable ({type(exc).__name__}); try again.") from None
+        if response.status >= 400:  # raised here, so the gateway's handler answers it and counts it in /metrics
+            async with response:
+                raise _error_from(response.status, await response.read())
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_RETURNED}
         return StreamingResponse(_body(response), status_code=response.status, headers=out_headers,
                                  background=BackgroundTask(response.release))

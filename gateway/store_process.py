@@ -67,9 +67,8 @@ def open_state(settings: Settings) -> StoreState:
     recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
                         queue_size=capture.queue_size, batch_size=capture.batch_size,
                         batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s)
-    auth = Authenticator([k.get_secret_value() for k in settings.auth.api_keys],
-                         settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None)
-    return StoreState(settings=settings, auth=auth, store=store, recorder=recorder)
+    return StoreState(settings=settings, auth=Authenticator.from_config(settings.auth), store=store,
+                      recorder=recorder)
 
 
 class IngestListener:
@@ -197,7 +196,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await asyncio.to_thread(open_state, settings)
-        app.state.store_state, app.state.metrics = state, state.metrics
+        app.state.store_state = state
         await asyncio.to_thread(state.store.warm_up)
         state.recorder.start()
         await state.recorder.reingest()  # what an earlier run left in the spool

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,9 +182,20 @@ def test_a_client_key_sees_only_its_own(client_a: openai.OpenAI, client_b: opena
     assert client_a.chat.completions.retrieve(other).model_dump()["metadata"] == {"run": "r2", "i": "1"}
 
 
+def errors_counted(gateway: GatewayProcess) -> Counter[tuple[str, str]]:
+    """``flywheel_errors_total`` from the gateway's /metrics, by (code, status)."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
+        if line.startswith("flywheel_errors_total{"):
+            labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")].split(","))
+            counts[(labels["code"].strip('"'), labels["status"].strip('"'))] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
 def test_errors_have_openai_shape(gateway: GatewayProcess, made: dict[str, Any]) -> None:
     auth = {"authorization": f"Bearer {KEY_A}"}
     base = f"{gateway.url}/v1/chat/completions"
+    before = errors_counted(gateway)
     assert_openai_error(httpx.get(f"{base}/chatcmpl-nope", headers=auth), 404, code="not_found")
     assert_openai_error(httpx.get(base, params={"limit": 0}, headers=auth), 400, param="limit")
     assert_openai_error(httpx.get(base, params={"order": "up"}, headers=auth), 400, param="order")
@@ -195,6 +207,10 @@ def test_errors_have_openai_shape(gateway: GatewayProcess, made: dict[str, Any])
     assert_openai_error(httpx.post(f"{base}/{made['a'][1]}", json=too_many, headers=auth), 400, param="metadata")
     assert_openai_error(httpx.get(base), 401, code="invalid_api_key")
     assert_openai_error(httpx.get(base, headers={"authorization": f"Bearer {ADMIN}"}), 401)
+    # Answered by the store process, counted by the gateway: its /metrics shows them like its own errors.
+    assert errors_counted(gateway) - before == Counter({
+        ("not_found", "404"): 1, ("invalid_api_key", "401"): 2, ("invalid_value", "400"): 4,
+        ("missing_required_parameter", "400"): 1, ("invalid_type", "400"): 1})
 
 
 def test_creating_still_works_on_the_same_path(client_a: openai.OpenAI) -> None:
