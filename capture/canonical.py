@@ -88,5 +88,9 @@ def task_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None)
     """Hash of the system prompt, the tool schemas and the first user message (DESIGN §5)."""
     system = next((content_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
     first_user = next((content_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
-    payload = json.dumps([system, tools or [], first_user], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return "task_" + hashlib.sha256(payload.encode()).hexdigest()[:24]
+    try:  # orjson: the stdlib's sorted compact bytes for JSON tool schemas (tests/test_canonical.py), ~8x faster
+        payload = orjson.dumps([system, tools or [], first_user], option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # what orjson refuses (an integer beyond 64 bits): the stdlib
+        payload = json.dumps([system, tools or [], first_user], sort_keys=True, separators=(",", ":"),
+                             ensure_ascii=False).encode()
+    return "task_" + hashlib.sha256(payload).hexdigest()[:24]

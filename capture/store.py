@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
+from orjson import dumps
 from sqlalchemy import JSON, Engine, bindparam, insert, inspect, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, SQLModel, col, create_engine, select
@@ -389,8 +389,10 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
     import pyarrow as pa
 
     json_columns = {c.name for c in table.columns if isinstance(c.type, JSON)}
-    data = {name: [_json_text(r.get(name)) if name in json_columns else r.get(name) for r in rows]
-            for name in columns}
+    data = {}
+    for name in columns:
+        values = [r.get(name) for r in rows]
+        data[name] = [None if v is None else dumps(v).decode() for v in values] if name in json_columns else values
     connection = session.connection().connection.dbapi_connection
     assert connection is not None
     view = f"_flywheel_rows_{table.name}"
@@ -402,7 +404,7 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
 
 
 def _json_text(value: Any) -> str | None:
-    return None if value is None else orjson.dumps(value).decode()
+    return None if value is None else dumps(value).decode()
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:

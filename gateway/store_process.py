@@ -38,7 +38,6 @@ from starlette.responses import Response
 from capture.recorder import Recorder, Spool
 from capture.redaction import Redactor
 from capture.store import Store
-from capture.turns import CapturedExchange
 from gateway import feedback_api, stored_api, trajectories_api
 from gateway.auth import Authenticator
 from gateway.config import Settings
@@ -51,7 +50,7 @@ log = logging.getLogger("flywheel.store")
 
 # The routes the gateway forwards here as they are (gateway/app.py mounts a proxy for each).
 STORE_ROUTERS = (stored_api.router, trajectories_api.router, feedback_api.router)
-_MAX_LINE = 1 << 30  # one exchange per line; the gateway's body limit bounds it long before this
+_CHUNK = 1 << 20  # ingest socket reads
 
 
 def redactor_for(settings: Settings) -> Redactor | None:
@@ -80,7 +79,7 @@ class IngestListener:
         self.connections: set[asyncio.Task[None]] = set()
 
     async def start(self, path: Path) -> None:
-        self.server = await asyncio.start_unix_server(self._read, str(path), limit=_MAX_LINE)
+        self.server = await asyncio.start_unix_server(self._read, str(path))
         os.chmod(path, 0o600)
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -88,14 +87,19 @@ class IngestListener:
         assert task is not None
         self.connections.add(task)
         self.state.received = 0  # a (re)started gateway counts from zero on its new connection
+        partial: list[bytes] = []  # the start of a line whose end has not arrived yet
         try:
-            while line := await reader.readline():
-                try:
-                    self.state.recorder.submit(CapturedExchange.from_line(line))
-                except (ValueError, TypeError):
-                    log.exception("unreadable exchange from the gateway (%d bytes)", len(line))
-                    self.state.recorder.stats["failed"] += 1
-                self.state.received += 1
+            # Whole chunks, split here: one readline() per exchange cost more than the split.
+            while chunk := await reader.read(_CHUNK):
+                *lines, rest = chunk.split(b"\n")
+                if lines and partial:
+                    lines[0] = b"".join([*partial, lines[0]])
+                    partial = []
+                if rest:
+                    partial.append(rest)
+                for line in lines:
+                    self.state.recorder.submit(line)
+                self.state.received += len(lines)
         finally:
             writer.close()
             self.connections.discard(task)

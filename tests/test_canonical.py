@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from capture.canonical import ROOT, canonical_message, prefix_hashes
+from capture.canonical import ROOT, canonical_message, content_text, prefix_hashes, task_key
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "Tu es un agent de voyage. Réponds en français — «toujours»."},
@@ -45,3 +45,22 @@ def test_reserializing_the_history_keeps_the_hashes() -> None:
     edited = [*resent[:1], {"role": "user", "content": "another question"}, *resent[2:]]
     assert prefix_hashes(edited)[0] == prefix_hashes(CONVERSATION)[0]
     assert all(a != b for a, b in zip(prefix_hashes(edited)[1:], prefix_hashes(CONVERSATION)[1:], strict=True))
+
+
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": "search_hotels", "description": "Find hotels — «near» a place", "strict": True,
+    "parameters": {"type": "object", "required": ["city"], "additionalProperties": False, "properties": {
+        "city": {"type": "string"}, "n": {"type": "integer", "minimum": 1, "maximum": 20, "default": 3},
+        "budget": {"type": ["number", "null"], "multipleOf": 0.5, "enum": [49.5, 100, None]}}}}}]
+
+
+def test_task_key_follows_the_definition() -> None:
+    """sha256 of the stdlib's sorted compact JSON of [system, tools, first user message]: stored keys keep grouping."""
+    def reference(tools: list[dict[str, Any]]) -> str:
+        payload = json.dumps([CONVERSATION[0]["content"], tools, content_text(CONVERSATION[1]["content"])],
+                             sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return "task_" + hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+    assert task_key(CONVERSATION, TOOLS) == reference(TOOLS)
+    huge = [{**TOOLS[0], "x-limit": 1 << 70}]  # beyond what orjson encodes: the same definition still holds
+    assert task_key(CONVERSATION, huge) == reference(huge)
