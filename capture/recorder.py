@@ -130,7 +130,7 @@ class Recorder:
             self.queue.put_nowait(line)
             self.stats["queued"] += 1
         except asyncio.QueueFull:
-            self.spool.keep(self._prepare([line]), self.stats)
+            self.spool.keep(self._prepare([line], self.stats), self.stats)
         except Exception:  # capture must never fail a client request
             log.exception("could not capture an exchange (%d bytes)", len(line))
             self.stats["failed"] += 1
@@ -176,27 +176,28 @@ class Recorder:
             self._writing = None
 
     async def _write(self, batch: list[bytes]) -> None:
-        prepared, written, error = await asyncio.to_thread(self._persist, batch)
-        if error is not None:
-            log.warning("store write failed (%s: %s); %d turns go to the spool", type(error).__name__, error,
-                        len(prepared))
-            self.store_ok = False
-        if written is None:
-            self.spool.keep(prepared, self.stats)
-        else:
-            self.stats["written"] += written
+        self.stats.update(await asyncio.to_thread(self._persist, batch))
 
-    def _persist(self, batch: list[bytes]) -> tuple[list[PreparedTurn], int | None, Exception | None]:
-        """Parse, prepare and write on the worker thread (one hop per batch); ``None`` written: spool them."""
-        prepared = self._prepare(batch)
-        if not self.store_ok:
-            return prepared, None, None
-        try:
-            return prepared, self.store.write_turns(prepared), None
-        except Exception as exc:
-            return prepared, None, exc
+    def _persist(self, batch: list[bytes]) -> Counter[str]:
+        """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.
 
-    def _prepare(self, lines: list[bytes]) -> list[PreparedTurn]:
+        Everything the batch allocated dies here, on this thread: handing the prepared turns back
+        to the event loop made it free them there (~10 us a turn, measured).
+        """
+        outcome: Counter[str] = Counter()
+        prepared = self._prepare(batch, outcome)
+        if self.store_ok:
+            try:
+                outcome["written"] += self.store.write_turns(prepared)
+                return outcome
+            except Exception as exc:
+                log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,
+                            len(prepared))
+                self.store_ok = False
+        self.spool.keep(prepared, outcome)
+        return outcome
+
+    def _prepare(self, lines: list[bytes], outcome: Counter[str]) -> list[PreparedTurn]:
         """The turns of the exchanges in ``lines``; an unreadable line is counted as failed (and logged)."""
         exchanges = []
         for line in lines:
@@ -204,7 +205,7 @@ class Recorder:
                 exchanges.append(CapturedExchange.from_line(line))
             except (ValueError, TypeError):
                 log.exception("unreadable exchange from the gateway (%d bytes)", len(line))
-                self.stats["failed"] += 1
+                outcome["failed"] += 1
         return prepare_batch(exchanges, self.redactor)
 
     async def _reingest_loop(self) -> None:

@@ -20,8 +20,10 @@ from gateway.config import CaptureConfig, GroupsConfig
 from gateway.errors import BadRequest
 from gateway.routing import ServedModel
 
+_PREFIX = b"x-flywheel-"
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
 class CapturePlan:
     """What is known about a captured request before the engine answers."""
 
@@ -47,12 +49,19 @@ class CapturePlan:
             client_choices=int(request_body.get("n") or 1) if self.fork_k else None)
 
 
+def flywheel_headers(request: Request) -> dict[str, str]:
+    """The request's ``X-Flywheel-*`` headers by the rest of their (lowercase) name: one pass over the raw
+    ASGI list, where five ``request.headers.get`` calls cost ~3% of the gateway's CPU at saturation."""
+    return {name[len(_PREFIX):].decode("latin-1"): value.decode("latin-1")
+            for name, value in request.scope["headers"] if name.startswith(_PREFIX)}
+
+
 def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, *, endpoint: str,
                  served: ServedModel, requested_model: str, client_key_id: str | None,
                  started: float) -> CapturePlan | None:
     """None when this request is not to be captured (header, config default, sampling)."""
-    headers = request.headers
-    switch = (headers.get("x-flywheel-capture") or "").strip().lower()
+    headers = flywheel_headers(request)
+    switch = (headers.get("capture") or "").strip().lower()
     if switch in ("off", "0", "false", "no"):
         return None
     forced = switch in ("on", "1", "true", "yes")
@@ -60,15 +69,13 @@ def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, 
         return None
     return CapturePlan(endpoint=endpoint, served=served, requested_model=requested_model,
                        client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
-                       trajectory_id=headers.get("x-flywheel-trajectory-id") or None,
-                       task=headers.get("x-flywheel-task") or None,
-                       group_id=headers.get("x-flywheel-group-id") or None,
-                       fork_k=fork_count(request, groups) if endpoint == "chat.completions" else 0)
+                       trajectory_id=headers.get("trajectory-id") or None, task=headers.get("task") or None,
+                       group_id=headers.get("group-id") or None,
+                       fork_k=fork_count(headers.get("fork"), groups) if endpoint == "chat.completions" else 0)
 
 
-def fork_count(request: Request, groups: GroupsConfig) -> int:
+def fork_count(header: str | None, groups: GroupsConfig) -> int:
     """Extra samples to draw: ``X-Flywheel-Fork: k`` or, for a ``fork_fraction`` of turns, ``fork_k``."""
-    header = request.headers.get("x-flywheel-fork")
     if header is not None:
         if not header.strip().isdigit() or not 0 <= int(header) <= 16:
             raise BadRequest("Invalid value for 'X-Flywheel-Fork': an integer from 0 to 16", param="X-Flywheel-Fork")

@@ -2,8 +2,8 @@
 
 :class:`StoreLink` starts the store process, restarts it if it dies, streams every
 captured exchange to it, and forwards the store-backed routes to it. On the request
-path capture costs one ``orjson.dumps`` of the exchange and, every ``handoff_s``
-(10 ms), one socket write for all the exchanges finished in it.
+path capture costs one ``orjson.dumps`` of the exchange and, every ``capture.handoff_s``
+(50 ms), one socket write for all the exchanges finished in it.
 
 When the store process cannot take an exchange (it is restarting, or has fallen more
 than ``max_backlog_bytes`` behind) the gateway redacts it and appends it to the spool
@@ -53,13 +53,12 @@ class StoreProcessError(RuntimeError):
 class StoreLink:
     """Starts, feeds, and forwards to the store process."""
 
-    def __init__(self, settings: Settings, redactor: Redactor | None, *, handoff_s: float = 0.01,
-                 max_backlog_bytes: int = 64 << 20) -> None:
+    def __init__(self, settings: Settings, redactor: Redactor | None, *, max_backlog_bytes: int = 64 << 20) -> None:
         self.settings = settings
         self.redactor = redactor
-        # One socket write per 10 ms, not per exchange: every write wakes the store process on the
+        # One socket write per handoff, not per exchange: every write wakes the store process on the
         # other core, and those wakeups cost the gateway ~8% of its CPU at saturation (measured).
-        self.handoff_s = handoff_s
+        self.handoff_s = settings.capture.handoff_s
         self.max_backlog_bytes = max_backlog_bytes
         self.spool = Spool(settings.spool_path)
         self.stats: Counter[str] = Counter()  # the gateway's own: spooled, failed

@@ -25,6 +25,7 @@ from sqlmodel import col, select
 
 from capture.models import Trajectory, Turn
 from capture.store import Store
+from gateway.config import CaptureConfig
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 
@@ -299,7 +300,7 @@ def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: Scr
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     for i in range(20):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"n{i}"}])
-    time.sleep(0.05)
+    time.sleep(CaptureConfig().handoff_s + 0.1)
     assert gateway.proc is not None
     gateway.proc.send_signal(signal.SIGKILL)  # the store process still holds the 20 turns in an open batch
     gateway.proc.wait(timeout=10)
