@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from operator import itemgetter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -389,10 +390,13 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
     import pyarrow as pa
 
     json_columns = {c.name for c in table.columns if isinstance(c.type, JSON)}
-    data = {}
-    for name in columns:
-        values = [r.get(name) for r in rows]
-        data[name] = [None if v is None else dumps(v).decode() for v in values] if name in json_columns else values
+    pick = itemgetter(*columns)
+    try:  # rows to columns, one C call per row (itemgetter of one name gives a value, not a tuple)
+        by_column = list(zip(*(map(pick, rows) if len(columns) > 1 else ((pick(r),) for r in rows)), strict=True))
+    except KeyError:  # a row without some column (a turn spooled by an older version): NULL there
+        by_column = [tuple(r.get(name) for r in rows) for name in columns]
+    data = {name: [None if v is None else dumps(v).decode() for v in values] if name in json_columns else values
+            for name, values in zip(columns, by_column, strict=True)}
     connection = session.connection().connection.dbapi_connection
     assert connection is not None
     view = f"_flywheel_rows_{table.name}"
