@@ -102,20 +102,35 @@ class Redactor:
         return value
 
     def message(self, message: dict[str, Any]) -> dict[str, Any]:
-        """A redacted copy of one chat message (content, text parts, tool-call arguments)."""
-        out = dict(message)
+        """One chat message redacted (content, text parts, tool-call arguments): a copy when something
+        changed, else the message itself (so comparing the two is an identity check)."""
+        out = message
         content = message.get("content")
         if isinstance(content, str):
-            out["content"] = self.text(content)
+            text = self.text(content)
+            if text != content:
+                out = {**message, "content": text}
         elif isinstance(content, list):
-            out["content"] = [{**p, "text": self.text(p["text"])} if isinstance(p, dict) and isinstance(
-                p.get("text"), str) else p for p in content]
-        if message.get("tool_calls"):
-            out["tool_calls"] = [self._tool_call(call) for call in message["tool_calls"]]
+            parts = [self._part(p) for p in content]
+            if any(new is not old for new, old in zip(parts, content, strict=True)):
+                out = {**message, "content": parts}
+        calls = message.get("tool_calls")
+        if calls:
+            redacted_calls = [self._tool_call(call) for call in calls]
+            if any(new is not old for new, old in zip(redacted_calls, calls, strict=True)):
+                out = {**out, "tool_calls": redacted_calls}
         return out
 
+    def _part(self, part: Any) -> Any:
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            return part
+        text = self.text(part["text"])
+        return part if text == part["text"] else {**part, "text": text}
+
     def _tool_call(self, call: dict[str, Any]) -> dict[str, Any]:
-        function = dict(call.get("function") or {})
-        if isinstance(function.get("arguments"), str):
-            function["arguments"] = self.text(function["arguments"])
-        return {**call, "function": function}
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            return call
+        text = self.text(arguments)
+        return call if text == arguments else {**call, "function": {**function, "arguments": text}}
