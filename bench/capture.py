@@ -1,6 +1,6 @@
 """What capture costs: gateway throughput with capture on vs off, linker lookups, bytes per turn.
 
-    python -m bench.capture                               # ~3 min; prints three tables
+    python -m bench.capture                               # ~6 min; prints three tables
     python -m bench.capture --sizes 1000 100000 --duration-s 2   # quicker look
     python -m bench.capture --json capture.json
 
@@ -52,7 +52,7 @@ from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 class Args:
     duration_s: float = 8.0
     """length of each throughput run"""
-    rounds: int = 8
+    rounds: int = 12
     """throughput runs per mode, alternating on/off"""
     concurrency: int = 16
     """concurrent clients in the throughput runs"""
