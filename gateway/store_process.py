@@ -3,7 +3,7 @@
 The gateway starts it (:mod:`gateway.store_link`) as ``python -m gateway.store_process``
 with its settings on stdin, and it lives as long as the gateway. Why a process of its own
 (docs/gateway.md, "Two processes"): DuckDB lets one process open a file (DESIGN §8), and
-capture's CPU — redaction, hashing, linking, inserts, ~0.2 ms a turn — must not take the
+capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must not take the
 GIL from the request path (measured: it halved the gateway's throughput when it did).
 
 - Ingest: the gateway streams finished exchanges, one JSON line each, over a Unix socket;
