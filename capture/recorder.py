@@ -35,7 +35,7 @@ import orjson
 
 from capture.redaction import Redactor
 from capture.store import Store
-from capture.turns import CapturedExchange, PreparedTurn, prepare_batch
+from capture.turns import PreparedTurn, prepare_lines
 
 log = logging.getLogger("flywheel.recorder")
 
@@ -131,7 +131,7 @@ class Recorder:
             self.queue.put_nowait(line)
             self.stats["queued"] += 1
         except asyncio.QueueFull:
-            self.spool.keep(self._prepare([line], self.stats), self.stats)
+            self.spool.keep(prepare_lines([line], self.redactor, self.stats), self.stats)
         except Exception:  # capture must never fail a client request
             log.exception("could not capture an exchange (%d bytes)", len(line))
             self.stats["failed"] += 1
@@ -194,7 +194,7 @@ class Recorder:
 
     def _prepare_and_write(self, batch: list[bytes]) -> Counter[str]:
         outcome: Counter[str] = Counter()
-        prepared = self._prepare(batch, outcome)
+        prepared = prepare_lines(batch, self.redactor, outcome)
         if self.store_ok:
             try:
                 outcome["written"] += self.store.write_turns(prepared)
@@ -205,17 +205,6 @@ class Recorder:
                 self.store_ok = False
         self.spool.keep(prepared, outcome)
         return outcome
-
-    def _prepare(self, lines: list[bytes], outcome: Counter[str]) -> list[PreparedTurn]:
-        """The turns of the exchanges in ``lines``; an unreadable line is counted as failed (and logged)."""
-        exchanges = []
-        for line in lines:
-            try:
-                exchanges.append(CapturedExchange.from_line(line))
-            except (ValueError, TypeError):
-                log.exception("unreadable exchange from the gateway (%d bytes)", len(line))
-                outcome["failed"] += 1
-        return prepare_batch(exchanges, self.redactor)
 
     async def _reingest_loop(self) -> None:
         while True:

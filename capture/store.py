@@ -395,7 +395,7 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
         by_column = list(zip(*(map(pick, rows) if len(columns) > 1 else ((pick(r),) for r in rows)), strict=True))
     except KeyError:  # a row without some column (a turn spooled by an older version): NULL there
         by_column = [tuple(r.get(name) for r in rows) for name in columns]
-    data = {name: [None if v is None else dumps(v).decode() for v in values] if name in json_columns else values
+    data = {name: [_json_text(v) for v in values] if name in json_columns else values
             for name, values in zip(columns, by_column, strict=True)}
     connection = session.connection().connection.dbapi_connection
     assert connection is not None

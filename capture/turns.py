@@ -8,7 +8,9 @@ redaction, and the exact token ids and logprobs when the engine returned them.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -17,6 +19,8 @@ import orjson
 
 from capture.canonical import ROOT, extend_hash, prefix_hashes, task_key
 from capture.redaction import Redactor
+
+log = logging.getLogger("flywheel.capture")
 
 _NOT_PARAMS = {"messages", "prompt", "tools", "metadata", "model", "stream", "stream_options"}
 
@@ -138,8 +142,17 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
     return out
 
 
-def prepare_batch(batch: list[CapturedExchange], redactor: Redactor | None) -> list[PreparedTurn]:
-    return [turn for exchange in batch for turn in prepare_turns(exchange, redactor)]
+def prepare_lines(lines: list[bytes], redactor: Redactor | None, outcome: Counter[str]) -> list[PreparedTurn]:
+    """The turns of the exchanges in ``lines`` (:meth:`CapturedExchange.to_line`); an unreadable line is
+    logged and counted as failed in ``outcome``."""
+    exchanges = []
+    for line in lines:
+        try:
+            exchanges.append(CapturedExchange.from_line(line))
+        except (ValueError, TypeError):
+            log.exception("unreadable exchange (%d bytes)", len(line))
+            outcome["failed"] += 1
+    return [turn for exchange in exchanges for turn in prepare_turns(exchange, redactor)]
 
 
 def _request_messages(exchange: CapturedExchange) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from yarl import URL
 
 from capture.recorder import Spool
 from capture.redaction import Redactor
-from capture.turns import CapturedExchange, prepare_batch
+from capture.turns import CapturedExchange, prepare_lines
 from gateway.config import Settings
 from gateway.errors import OpenAIError, UpstreamError
 from gateway.state import INGEST_SEQ_HEADER
@@ -132,8 +132,7 @@ class StoreLink:
         writer = self._ingest
         try:
             if writer is None or not self.up or writer.transport.get_write_buffer_size() > self.max_backlog_bytes:
-                exchanges = [CapturedExchange.from_line(line) for line in batch]
-                self.spool.keep(prepare_batch(exchanges, self.redactor), self.stats)  # redacted, as always
+                self.spool.keep(prepare_lines(batch, self.redactor, self.stats), self.stats)  # redacted, as always
                 return
             writer.write(b"".join(batch))
             self.sent += len(batch)
