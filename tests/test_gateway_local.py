@@ -95,7 +95,7 @@ def test_stream_matches_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_stream_usage_chunk_comes_last(local_gateway: GatewayProcess) -> None:
-    body = {"model": "gpt-4o", "messages": HI, "max_tokens": 5, "stream": True,
+    body = {"model": "gpt-4o", "messages": HI, "max_tokens": 5, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{local_gateway.url}/v1/chat/completions", json=body,
                       headers={"authorization": f"Bearer {CLIENT_KEY}"}, timeout=60) as response:
@@ -153,18 +153,20 @@ def test_logprobs_and_token_ids(client: openai.OpenAI) -> None:
     assert len(raw["prompt_token_ids"]) == reply.usage.prompt_tokens
     for entry in choice["logprobs"]["content"]:
         assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
-    chunks = list(client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=6, stream=True,
-                                                 logprobs=True, extra_body={"return_token_ids": True}))
+    chunks = list(client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=6, stream=True, logprobs=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}))
     streamed_ids = [t for c in chunks for ch in c.model_dump()["choices"] for t in (ch.get("token_ids") or [])]
     assert len(streamed_ids) == 6
     assert chunks[0].model_dump().get("prompt_token_ids") == raw["prompt_token_ids"]
 
 
 def test_completions_endpoint(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model="gpt-4o", prompt="Once upon a time", max_tokens=5, logprobs=1)
+    reply = client.completions.create(model="gpt-4o", prompt="Once upon a time", max_tokens=5, logprobs=1,
+                                      extra_body={"ignore_eos": True})  # an unseeded sample may draw EOS early
     assert reply.object == "text_completion" and reply.usage is not None
     assert reply.choices[0].logprobs is not None and len(reply.choices[0].logprobs.tokens or []) == 5
-    chunks = list(client.completions.create(model="gpt-4o", prompt="Once", max_tokens=4, stream=True))
+    chunks = list(client.completions.create(model="gpt-4o", prompt="Once", max_tokens=4, stream=True,
+                                            extra_body={"ignore_eos": True}))
     assert len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].text for c in chunks if c.choices)
 

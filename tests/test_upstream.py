@@ -37,7 +37,7 @@ def test_relay_matches_direct(relay: openai.OpenAI, direct: openai.OpenAI) -> No
 
 def test_relay_passes_token_ids_when_asked(relay: openai.OpenAI) -> None:
     reply = relay.chat.completions.create(model="m", messages=HI, max_tokens=4, logprobs=True,
-                                          extra_body={"return_token_ids": True})
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
     raw = reply.model_dump()
     assert len(raw["choices"][0]["token_ids"]) == 4 and raw["prompt_token_ids"]
     assert len(raw["choices"][0]["logprobs"]["content"]) == 4
