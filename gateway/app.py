@@ -28,7 +28,7 @@ from gateway.errors import OpenAIError
 from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
 from gateway.store_link import StoreLink
-from gateway.store_process import STORE_ROUTERS, redactor_for
+from gateway.store_process import STORE_ROUTERS, redactor_for, tune_gc
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -82,6 +82,7 @@ def build_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await start_gateway(settings)
         app.state.gateway, app.state.metrics = state, state.metrics
+        tune_gc()  # everything the gateway keeps is allocated by now
         log.info("flywheel gateway ready: aliases=%s engines=%s store=%s",
                  [s.alias for s in state.router.all()], list(state.engines), settings.database)
         try:
