@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,19 +45,23 @@ from rich.table import Table
 from sqlalchemy import text
 
 from bench.gateway_overhead import Args as OverheadArgs
-from bench.gateway_overhead import Connection, Target, load, settle, start_flywheel, start_mock
+from bench.gateway_overhead import Connection, Target, check, settle, start_flywheel, start_mock
 from capture.store import Store, TrajectoryLinker
 from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 
 
 @dataclass
 class Args:
-    duration_s: float = 8.0
-    """length of each throughput run"""
-    rounds: int = 12
-    """throughput runs per mode, alternating on/off"""
+    duration_s: float = 2.5
+    """measured window of each throughput phase"""
+    warmup_s: float = 1.5
+    """unmeasured load after each switch of mode: longer than the store's batch timer (1 s)"""
+    rounds: int = 40
+    """throughput rounds: one capture-off and one capture-on phase each, in ABBA order"""
     concurrency: int = 16
     """concurrent clients in the throughput runs"""
+    same_request: bool = False
+    """calibration: both arms send the capture-off request (the ratio must come out ~1)"""
     sizes: tuple[int, ...] = (1_000, 100_000, 1_000_000)
     """stored turns for the lookup measurement"""
     lookups: int = 2000
@@ -67,19 +73,30 @@ class Args:
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=Args.duration_s)
+    parser.add_argument("--warmup-s", type=float, default=Args.warmup_s)
     parser.add_argument("--rounds", type=int, default=Args.rounds)
     parser.add_argument("--concurrency", type=int, default=Args.concurrency)
+    parser.add_argument("--same-request", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(Args.sizes))
     parser.add_argument("--lookups", type=int, default=Args.lookups)
     parser.add_argument("--json", default=None)
     ns = parser.parse_args()
-    return Args(duration_s=ns.duration_s, rounds=ns.rounds, concurrency=ns.concurrency, sizes=tuple(ns.sizes),
-                lookups=ns.lookups, json=ns.json)
+    return Args(duration_s=ns.duration_s, warmup_s=ns.warmup_s, rounds=ns.rounds, concurrency=ns.concurrency,
+                same_request=ns.same_request, sizes=tuple(ns.sizes), lookups=ns.lookups, json=ns.json)
 
 
 # ---------------------------------------------------------------------------------------------
 # 1. throughput, capture on vs off
 # ---------------------------------------------------------------------------------------------
+
+def thread_cpu_s(pid: int) -> float:
+    """CPU seconds of all of a process's threads, in nanoseconds from the scheduler (psutil counts 10 ms ticks)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that just exited
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total / 1e9
+
 
 async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
     mock = start_mock(workdir)
@@ -88,25 +105,48 @@ async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
         mock.wait_ready("/v1/models", 60)
         gateway = start_flywheel(workdir, mock.port)
         gateway.wait_ready("/healthz", 120)
-        pids = [*gateway.pids, mock.proc.pid]  # the store process's CPU counts too
-        on = Target("capture on", gateway.port, pids)
-        off = Target("capture off", gateway.port, pids, headers={"x-flywheel-capture": "off"})
+        gateway_pid, store_pid = gateway.pids[:2]
+        on = Target("capture on", gateway.port, [gateway_pid, store_pid, mock.proc.pid])
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16}
-        runs: dict[str, list[float]] = {on.name: [], off.name: []}
-        raw_runs: dict[str, list[float]] = {on.name: [], off.name: []}  # requests / window, nothing deferred added
-        for target in (on, off):
-            await load_warm(target, target.raw_request(body), args)
-        for _ in range(args.rounds):
-            for target in (off, on):
-                result = await load(target, target.raw_request(body), args.concurrency, args.duration_s,
-                                    OverheadArgs())
-                runs[target.name].append(result["sustained_req_per_s"])
-                raw_runs[target.name].append(result["req_per_s"])
-        ratios = [on_rate / off_rate for on_rate, off_rate in zip(runs[on.name], runs[off.name], strict=True)]
-        raw_ratios = [a / b for a, b in zip(raw_runs[on.name], raw_runs[off.name], strict=True)]
-        return {"req_per_s": {name: statistics.median(values) for name, values in runs.items()},
-                "runs": runs, "ratios": ratios, "ratio_on_off": statistics.median(ratios),
-                "raw_runs": raw_runs, "raw_ratio_on_off": statistics.median(raw_ratios)}
+        raw = {"capture on": on.raw_request(body),
+               "capture off": replace(on, headers={"x-flywheel-capture": "off"}).raw_request(body)}
+        if args.same_request:  # calibration: both arms send the capture-off request; the ratio must come out ~1
+            raw["capture on"] = raw["capture off"]
+        await load_warm(on, raw["capture on"], args)
+        mode, completed, stop = ["capture off"], [0], [False]
+
+        async def client(i: int) -> None:
+            while not stop[0]:
+                sample = await on.send(i, raw[mode[0]], 30.0)
+                check(sample, on, stream=False)
+                completed[0] += 1
+
+        clients = asyncio.gather(*(client(i) for i in range(args.concurrency)))
+        windows: dict[str, list[dict[str, float]]] = {"capture on": [], "capture off": []}
+        try:
+            for round_index in range(args.rounds):
+                # ABBA: off-on, on-off, ... so a drift of the machine's speed during a round cancels out
+                for name in ("capture off", "capture on") if round_index % 2 == 0 else ("capture on", "capture off"):
+                    mode[0] = name
+                    await asyncio.sleep(args.warmup_s)  # the store process reaches this mode's steady state
+                    n0, t0 = completed[0], time.perf_counter()
+                    gw0, store0 = thread_cpu_s(gateway_pid), thread_cpu_s(store_pid)
+                    await asyncio.sleep(args.duration_s)
+                    n, elapsed = completed[0] - n0, time.perf_counter() - t0
+                    windows[name].append({"req_per_s": n / elapsed,
+                                          "gateway_cpu_ms": 1000 * (thread_cpu_s(gateway_pid) - gw0) / n,
+                                          "store_cpu_ms": 1000 * (thread_cpu_s(store_pid) - store0) / n})
+        finally:
+            stop[0] = True
+            await clients
+        ratios = [a["req_per_s"] / b["req_per_s"]
+                  for a, b in zip(windows["capture on"], windows["capture off"], strict=True)]
+        return {"req_per_s": {k: statistics.median(w["req_per_s"] for w in v) for k, v in windows.items()},
+                "cpu_ms_per_req": {k: {part: statistics.median(w[part] for w in v)
+                                       for part in ("gateway_cpu_ms", "store_cpu_ms")} for k, v in windows.items()},
+                "windows": windows, "ratios": ratios, "ratio_on_off": statistics.median(ratios),
+                "ratio_mean": statistics.mean(ratios),
+                "ratio_mean_se": statistics.stdev(ratios) / len(ratios) ** 0.5}
     finally:
         for server in (gateway, mock):
             if server is not None:
@@ -114,7 +154,7 @@ async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
 
 
 async def load_warm(target: Target, raw: bytes, args: Args) -> None:
-    """Open the connections and warm both paths (unmeasured)."""
+    """Open the connections and warm the path (unmeasured)."""
     target.connections = [await Connection.open(target.port) for _ in range(args.concurrency)]
     for i in range(args.concurrency):
         for _ in range(10):
@@ -230,18 +270,21 @@ def main() -> None:
         results["lookups"] = lookups_by_size(args, workdir)
         results["size"] = bytes_per_1k_turns(workdir)
 
-    table = Table(title=f"Throughput, concurrency {args.concurrency} (sustained req/s, median of {args.rounds})")
-    table.add_column("mode")
-    table.add_column("req/s", justify="right")
-    for name, value in results["throughput"]["req_per_s"].items():
-        table.add_row(name, f"{value:.0f}")
+    thr = results["throughput"]
+    calibration = ", calibration: the same request in both arms" if args.same_request else ""
+    table = Table(title=f"Throughput, concurrency {args.concurrency} (median of {args.rounds} windows of "
+                        f"{args.duration_s:g} s{calibration})")
+    for column in ("mode", "req/s", "gateway CPU ms/req", "store process CPU ms/req"):
+        table.add_column(column, justify="right")
+    for name, value in thr["req_per_s"].items():
+        cpu = thr["cpu_ms_per_req"][name]
+        table.add_row(name, f"{value:.0f}", f"{cpu['gateway_cpu_ms']:.3f}", f"{cpu['store_cpu_ms']:.3f}")
     console.print(table)
-    ratio = results["throughput"]["ratio_on_off"]
-    quartiles = statistics.quantiles(results["throughput"]["ratios"], n=4)
+    ratio = thr["ratio_on_off"]
+    quartiles = statistics.quantiles(thr["ratios"], n=4)
     console.print(f"capture on / off, median of {args.rounds} paired rounds: {ratio:.3f} "
-                  f"(cost {100 * (1 - ratio):.1f}%, target <= 5%); quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}")
-    console.print(f"the same rounds without the deferred CPU added (requests / window): "
-                  f"{results['throughput']['raw_ratio_on_off']:.3f}")
+                  f"(cost {100 * (1 - ratio):.1f}%, target <= 5%); quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}; "
+                  f"mean {thr['ratio_mean']:.3f} +- {thr['ratio_mean_se']:.3f} (standard error)")
 
     table = Table(title=f"Linker lookup, 4 probes per request ({args.lookups} requests)")
     for column in ("stored turns", "p50 us", "p99 us", "mean us", "bulk insert s"):
