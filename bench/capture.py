@@ -1,7 +1,8 @@
 """What capture costs: gateway throughput with capture on vs off, linker lookups, bytes per turn.
 
-    python -m bench.capture                               # ~6 min; prints three tables
-    python -m bench.capture --sizes 1000 100000 --duration-s 2   # quicker look
+    python -m bench.capture                               # ~9 min; prints three tables
+    python -m bench.capture --sizes 1000 100000 --rounds 12      # quicker look
+    python -m bench.capture --same-request --sizes 1000   # calibration: the ratio must come out ~1
     python -m bench.capture --json capture.json
 
 1. Throughput: one gateway (upstream engine) in front of the fast mock
