@@ -16,6 +16,7 @@ before training and after the last round. Threshold: it rises by at least 0.20
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -108,7 +109,8 @@ seed = 0
             trained = subprocess.run(
                 [sys.executable, "-m", "gateway", "train", "--alias", "agent", "--config", str(gateway.config_file),
                  "--gateway", gateway.url, "--admin-key", "admin", "--promote"],
-                capture_output=True, text=True, timeout=600)
+                capture_output=True, text=True, timeout=600,
+                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a crash (one SIGSEGV seen in CI) shows its stack
             assert trained.returncode == 0, trained.stderr[-3000:]
             assert f"version {round_ + 1} written" in trained.stdout and "promoted" in trained.stdout
             served = httpx.get(f"{gateway.url}/flywheel/v1/aliases", headers=ADMIN).json()["data"][0]
