@@ -7,13 +7,15 @@
 
 1. Throughput: one gateway (upstream engine) in front of the fast mock
    (``bench/mock_openai_server.py``); clients send the same chat request at concurrency 16,
-   alternately with ``X-Flywheel-Capture: off`` and without (so both share the process,
-   the warm caches and the machine's noise), in rounds. The rate counted is *sustained*:
-   requests divided by the load time plus the CPU time the servers (the store process
-   included) spent afterwards on work they had deferred — capture work deferred past the
-   window is not free. The cost is the median over rounds of each round's on/off ratio: on
-   a shared 2-core VM the machine's speed drifts by +-20% within a minute, and pairing
-   neighbouring runs cancels the drift.
+   one continuous load that switches every phase between the plain request and the same
+   request with ``X-Flywheel-Capture: off`` (so both share the process, the warm caches and
+   the machine's noise). After each switch ``warmup_s`` goes unmeasured — longer than the
+   store's batch timer, so the store process works in the phase's steady state, carrying
+   in about as much work as it carries out — then requests are counted for ``duration_s``.
+   The cost is the median over rounds of each round's on/off ratio, the two phases of a
+   round in ABBA order: on a shared 2-core VM the machine's speed drifts by +-20% within a
+   minute, and pairing neighbouring phases cancels the drift. ``--same-request`` sends the
+   capture-off request in both arms: a calibration whose ratio must come out ~1.
 2. Linker lookups: stores holding 1k, 100k and 1M synthetic turns (bulk-inserted with SQL
    into the real schema and indexes); each lookup is what a 4-assistant-message request
    costs: up to four probes of the ``h_out`` index through the real ``TrajectoryLinker``.
