@@ -350,10 +350,11 @@ def _connect_args(url: str) -> dict[str, Any]:
 
 
 def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, Any]]) -> None:
-    """Insert many rows at once: from an Arrow table on DuckDB, by executemany elsewhere.
+    """Insert many rows at once: an Arrow table appended by DuckDB's relation API on DuckDB, executemany elsewhere.
 
-    DuckDB spends ~2-3 ms of CPU per parameter-bound INSERT row (executemany included);
-    an Arrow table goes in with one ``INSERT ... SELECT`` at a few microseconds per row.
+    DuckDB spends ~2-3 ms of CPU per parameter-bound INSERT row (executemany included); an Arrow
+    table goes in at a few microseconds per row. ``insert_into`` costs ~2 ms less per statement than
+    registering the table and running ``INSERT ... SELECT`` through SQLAlchemy (measured).
     """
     if not rows:
         return
@@ -361,9 +362,9 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
     if session.get_bind().dialect.name != "duckdb":
         session.execute(insert(table), rows)
         return
-    names = ", ".join(f'"{c.name}"' for c in table.columns)
-    with _arrow_view(session, table, rows, [c.name for c in table.columns]) as view:
-        session.connection().exec_driver_sql(f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM {view}')
+    connection = _duckdb_connection(session)
+    stored = connection.table(table.name).columns  # insert_into is positional: the file's own column order
+    connection.from_arrow(_arrow_table(table, rows, stored)).insert_into(table.name)
 
 
 def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
@@ -387,6 +388,17 @@ def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, An
 @contextmanager
 def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], columns: list[str]) -> Iterator[str]:
     """``rows`` as an Arrow table registered on the session's DuckDB connection, by name, for one statement."""
+    connection = _duckdb_connection(session)
+    view = f"_flywheel_rows_{table.name}"
+    connection.register(view, _arrow_table(table, rows, columns))
+    try:
+        yield view
+    finally:
+        connection.unregister(view)
+
+
+def _arrow_table(table: Any, rows: list[dict[str, Any]], columns: list[str]) -> Any:
+    """``columns`` of ``rows`` as an Arrow table, JSON columns as their text."""
     import pyarrow as pa
 
     json_columns = {c.name for c in table.columns if isinstance(c.type, JSON)}
@@ -395,16 +407,15 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
         by_column = list(zip(*(map(pick, rows) if len(columns) > 1 else ((pick(r),) for r in rows)), strict=True))
     except KeyError:  # a row without some column (a turn spooled by an older version): NULL there
         by_column = [tuple(r.get(name) for r in rows) for name in columns]
-    data = {name: [_json_text(v) for v in values] if name in json_columns else values
-            for name, values in zip(columns, by_column, strict=True)}
+    return pa.table({name: [_json_text(v) for v in values] if name in json_columns else values
+                     for name, values in zip(columns, by_column, strict=True)})
+
+
+def _duckdb_connection(session: Session) -> Any:
+    """The DuckDB connection under the session, inside its transaction."""
     connection = session.connection().connection.dbapi_connection
     assert connection is not None
-    view = f"_flywheel_rows_{table.name}"
-    connection.register(view, pa.table(data))
-    try:
-        yield view
-    finally:
-        connection.unregister(view)
+    return connection
 
 
 def _json_text(value: Any) -> str | None:
