@@ -4,6 +4,7 @@
     python -m bench.capture --sizes 1000 100000 --rounds 12      # quicker look
     python -m bench.capture --same-request --sizes 1000   # calibration: the ratio must come out ~1
     python -m bench.capture --json capture.json
+    python -m bench.capture --pin                         # the gateway on a vCPU of its own
 
 1. Throughput: one gateway (upstream engine) in front of the fast mock
    (``bench/mock_openai_server.py``); clients send the same chat request at concurrency 16,
@@ -65,6 +66,8 @@ class Args:
     """concurrent clients in the throughput runs"""
     same_request: bool = False
     """calibration: both arms send the capture-off request (the ratio must come out ~1)"""
+    pin: bool = False
+    """gateway on the first CPU; store process, mock and client on the last"""
     sizes: tuple[int, ...] = (1_000, 100_000, 1_000_000)
     """stored turns for the lookup measurement"""
     lookups: int = 2000
@@ -80,12 +83,15 @@ def parse_args() -> Args:
     parser.add_argument("--rounds", type=int, default=Args.rounds)
     parser.add_argument("--concurrency", type=int, default=Args.concurrency)
     parser.add_argument("--same-request", action="store_true")
+    parser.add_argument("--pin", action="store_true", help="gateway on the first CPU; store process, mock and "
+                                                           "client on the last")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(Args.sizes))
     parser.add_argument("--lookups", type=int, default=Args.lookups)
     parser.add_argument("--json", default=None)
     ns = parser.parse_args()
     return Args(duration_s=ns.duration_s, warmup_s=ns.warmup_s, rounds=ns.rounds, concurrency=ns.concurrency,
-                same_request=ns.same_request, sizes=tuple(ns.sizes), lookups=ns.lookups, json=ns.json)
+                same_request=ns.same_request, pin=ns.pin, sizes=tuple(ns.sizes), lookups=ns.lookups,
+                json=ns.json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +107,13 @@ def thread_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
+def pin_threads(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` onto ``cpu`` (``sched_setaffinity`` on a pid sets one thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just exited
+            os.sched_setaffinity(int(tid), {cpu})
+
+
 async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
     mock = start_mock(workdir)
     gateway = None
@@ -109,6 +122,13 @@ async def throughput(args: Args, workdir: Path) -> dict[str, Any]:
         gateway = start_flywheel(workdir, mock.port)
         gateway.wait_ready("/healthz", 120)
         gateway_pid, store_pid = gateway.pids[:2]
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs at least two CPUs")
+            pin_threads(gateway_pid, cpus[0])
+            for pid in (store_pid, mock.proc.pid, os.getpid()):
+                pin_threads(pid, cpus[-1])
         on = Target("capture on", gateway.port, [gateway_pid, store_pid, mock.proc.pid])
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16}
         raw = {"capture on": on.raw_request(body),
@@ -275,6 +295,7 @@ def main() -> None:
 
     thr = results["throughput"]
     calibration = ", calibration: the same request in both arms" if args.same_request else ""
+    calibration += ", pinned: gateway | store, mock, client" if args.pin else ""
     table = Table(title=f"Throughput, concurrency {args.concurrency} (median of {args.rounds} windows of "
                         f"{args.duration_s:g} s{calibration})")
     for column in ("mode", "req/s", "gateway CPU ms/req", "store process CPU ms/req"):
