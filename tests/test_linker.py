@@ -78,3 +78,33 @@ def test_a_closed_trajectory_is_not_continued(store: Store) -> None:
     assert len(trajectories) == 2 and trajectories[first.id].status == "closed"
     assert trajectories[first.id].turn_count == 1
     assert latest.trajectory_id != first.id and latest.parent_turn_id is not None  # history kept by parent
+
+
+def test_turns_land_in_their_columns_when_the_file_orders_columns_differently(tmp_path: Path) -> None:
+    """DuckDB inserts by position (``insert_into``): a file whose ``turns`` table has its columns in
+    another order than the model (as after a migration that appended one) still gets every value in
+    its own column."""
+    path = tmp_path / "s.duckdb"
+    Store(path).close()
+    import duckdb
+
+    with duckdb.connect(str(path)) as connection:
+        names = [row[0] for row in connection.execute("SELECT name FROM pragma_table_info('turns')").fetchall()]
+        reversed_columns = ", ".join(f'"{name}"' for name in reversed(names))
+        connection.execute(f"CREATE TABLE turns_reordered AS SELECT {reversed_columns} FROM turns")
+        connection.execute("DROP TABLE turns")
+        connection.execute("ALTER TABLE turns_reordered RENAME TO turns")
+    store = Store(path)
+    try:
+        question = [{"role": "user", "content": "plan a trip"}]
+        write(store, exchange(1, question, "where to?"))
+        with store.session() as session:
+            turn = session.exec(select(Turn)).one()
+        assert (turn.completion_id, turn.endpoint, turn.alias, turn.choice_index) == ("chatcmpl-1", "chat.completions",
+                                                                                     "a", 0)
+        assert turn.request_messages == question
+        assert turn.response_message == {"role": "assistant", "content": "where to?"}
+        assert turn.created_at.replace(tzinfo=None) == T0.replace(tzinfo=None) + timedelta(seconds=1)
+        assert turn.trajectory_id.startswith("traj_") and turn.depth == 0 and turn.parent_turn_id is None
+    finally:
+        store.close()
