@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 from sqlmodel import col, select
 
@@ -86,8 +87,6 @@ def test_turns_land_in_their_columns_when_the_file_orders_columns_differently(tm
     its own column."""
     path = tmp_path / "s.duckdb"
     Store(path).close()
-    import duckdb
-
     with duckdb.connect(str(path)) as connection:
         names = [row[0] for row in connection.execute("SELECT name FROM pragma_table_info('turns')").fetchall()]
         reversed_columns = ", ".join(f'"{name}"' for name in reversed(names))
