@@ -1,4 +1,4 @@
-"""Canonical messages and the prefix hashes the linker matches on (DESIGN §4).
+"""Canonical messages and the prefix hashes the linker matches on (architecture §4).
 
 Clients re-serialize history in their own ways; the canonical form removes the
 differences that do not change meaning, so the same conversation hashes the same:
@@ -85,7 +85,7 @@ def extend_hash(h_prefix: str, message: dict[str, Any]) -> str:
 
 
 def task_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    """Hash of the system prompt, the tool schemas and the first user message (DESIGN §5)."""
+    """Hash of the system prompt, the tool schemas and the first user message (architecture §5)."""
     system = next((content_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")), "")
     first_user = next((content_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
     try:  # orjson: the stdlib's sorted compact bytes for JSON tool schemas (tests/test_canonical.py), ~8x faster

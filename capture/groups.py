@@ -1,4 +1,4 @@
-"""Groups: which trajectories GRPO and RULER compare with each other (DESIGN §5).
+"""Groups: which trajectories GRPO and RULER compare with each other (architecture §5).
 
 Production traffic has one attempt per request, so groups come from four places, each
 labelled with its source in ``groups.source``:

@@ -1,6 +1,6 @@
 """The trajectory store: SQLModel tables on a DuckDB file (default) or PostgreSQL.
 
-DuckDB lets one process open a file (DESIGN §8): the gateway owns it while it runs;
+DuckDB lets one process open a file (architecture §8): the gateway owns it while it runs;
 the CLI opens it directly only when no gateway runs. The schema carries a version in
 ``schema_meta``; an older file is migrated by named steps, a newer one is refused with
 a clear message, and nothing is ever dropped or rewritten silently.
@@ -187,7 +187,7 @@ class _Candidate:
 
 
 class TrajectoryLinker:
-    """Finds the trajectory (and the parent turn) each new turn of a batch continues (DESIGN §4).
+    """Finds the trajectory (and the parent turn) each new turn of a batch continues (architecture §4).
 
     The request's assistant messages are walked from the last one back; each prefix
     ending at one is looked up by its hash in ``turns.h_out`` (indexed). Among stored

@@ -1,7 +1,7 @@
 """The composition root: build the FastAPI app from :class:`Settings`.
 
 Run it with ``flywheel serve`` (or ``python -m gateway serve``). The app owns its
-engines and its store process (:mod:`gateway.store_process`): they start in the lifespan
+engines and its store process (:mod:`gateway.store.process`): they start in the lifespan
 and stop on shutdown. The store-backed routes are the store process's; the gateway
 forwards them (same paths, same auth), so clients see one server.
 """
@@ -19,16 +19,18 @@ from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from gateway import admin_api, openai_api, training_api
+from gateway.api import admin, completions, training
+from gateway.api.common import read_body
+from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.engines.base import Engine
-from gateway.error_handlers import install_error_handlers
 from gateway.errors import OpenAIError
+from gateway.process import tune_gc
 from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
-from gateway.store_link import StoreLink
-from gateway.store_process import STORE_ROUTERS, redactor_for, tune_gc
+from gateway.store.link import StoreLink, redactor_for
+from gateway.store.routes import STORE_ROUTERS
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -93,9 +95,9 @@ def build_app(settings: Settings) -> FastAPI:
                 await engine.aclose()
 
     app = FastAPI(title="Flywheel gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.include_router(openai_api.router)
-    app.include_router(admin_api.router)
-    app.include_router(training_api.router)
+    app.include_router(completions.router)
+    app.include_router(admin.router)
+    app.include_router(training.router)
     for store_router in STORE_ROUTERS:  # served by the store process: the same paths, forwarded
         for route in store_router.routes:
             assert isinstance(route, APIRoute) and route.methods
@@ -108,7 +110,7 @@ def build_app(settings: Settings) -> FastAPI:
 
 async def forward_to_store(request: Request) -> Response:
     state = GatewayState.of(request)
-    body = await openai_api.read_body(request, state.settings.max_body_bytes)  # 413 here, before forwarding
+    body = await read_body(request, state.settings.max_body_bytes)  # 413 here, before forwarding
     return await state.store_link.forward(request, body)
 
 

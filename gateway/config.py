@@ -97,7 +97,7 @@ class RedactionConfig(BaseModel):
 
 
 class CaptureConfig(BaseModel):
-    """Recording traffic as trajectories (DESIGN §4, §8)."""
+    """Recording traffic as trajectories (architecture §4, §8)."""
 
     enabled: bool = True  # default for requests without an X-Flywheel-Capture header
     sample_rate: float = Field(default=1.0, ge=0, le=1)  # fraction of (enabled) requests captured
@@ -121,7 +121,7 @@ class CaptureConfig(BaseModel):
 
 
 class GroupsConfig(BaseModel):
-    """Where GRPO groups come from (DESIGN §5)."""
+    """Where GRPO groups come from (architecture §5)."""
 
     min_size: int = Field(default=2, ge=2)  # smaller groups wait for members (or are dropped: forks)
     max_size: int = Field(default=8, ge=2)  # larger ones are cut, oldest first; never padded

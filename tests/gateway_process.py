@@ -62,7 +62,7 @@ class GatewayProcess:
 
     @property
     def store_process(self) -> psutil.Process:
-        (store,) = [p for p in self.children if "gateway.store_process" in p.cmdline()]
+        (store,) = [p for p in self.children if "gateway.store.process" in p.cmdline()]
         return store
 
     def stop(self) -> None:

@@ -2,7 +2,7 @@
 
 One module-scoped round (4 steps, fresh LoRA) feeds most tests; a second, one-step round
 continues from its adapter and optimizer state with a KL term and partly missing behaviour
-logprobs. The settings follow NOTES.md (initializer_range 0.1 in the tiny model, LoRA r 16
+logprobs. The settings follow docs/engineering-notes.md (initializer_range 0.1 in the tiny model, LoRA r 16
 on every linear layer, lr 1e-2).
 """
 

@@ -1,4 +1,4 @@
-"""The SDK's header helper: the names the gateway reads (gateway/capturing.py)."""
+"""The SDK's header helper: the names the gateway reads (gateway/store/capture_plan.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from sqlmodel import SQLModel
 
 import capture.models
 from capture.models import SCHEMA_VERSION
-from gateway.cli_trajectories import trajectories_app
+from gateway.cli.trajectories import trajectories_app
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "storage.md"
 _HEADING = re.compile(r"^### (\S+)\s*$")

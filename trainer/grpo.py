@@ -85,7 +85,7 @@ class GRPOArgs:
 
     # optimisation
     learning_rate: float = 1e-5
-    """AdamW learning rate; LoRA on 1-8B models: 5e-6..5e-5. The random tiny model needs 1e-2 (NOTES.md)"""
+    """AdamW learning rate; LoRA on 1-8B models: 5e-6..5e-5. The random tiny model needs 1e-2 (engineering notes)"""
     lr_scheduler_type: str = "constant"
     """constant: rounds follow each other, a per-round decay to 0 would restart every round"""
     warmup_steps: int = 0
@@ -131,7 +131,7 @@ class GRPOArgs:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GRPOArgs:
-        """Settings that make the random tiny model learn on CPU (NOTES.md): lr 1e-2, r 16, short sequences."""
+        """Settings that make the random tiny model learn on CPU (docs/engineering-notes.md): lr 1e-2, r 16, short."""
         base: dict[str, Any] = dict(learning_rate=1e-2, lora_r=16, lora_alpha=32, gradient_accumulation_steps=1,
                                     max_prompt_tokens=512, max_completion_tokens=64, precision="fp32")
         return cls(**{**base, **overrides})

@@ -205,7 +205,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0) -> Path:
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=256, max_position_embeddings=2048,
         tie_word_embeddings=True,
-        # 0.02 (the default) leaves logits near-uniform and LoRA unable to move them (NOTES.md).
+        # 0.02 (the default) leaves logits near-uniform and LoRA unable to move them (docs/engineering-notes.md).
         initializer_range=0.1,
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id,
     )

@@ -26,7 +26,7 @@ from capture.turns import new_id
 from gateway.config import GroupsConfig
 from gateway.errors import BadRequest, NotFound
 from gateway.protocol import parse_json_object, validate_request
-from gateway.state import StoreState
+from gateway.store.state import StoreState
 from judge.rewards import InvalidFeedbackError, feedback_reward
 from judge.scoring import score_pending
 

@@ -7,11 +7,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from gateway.admin_api import alias_info
+from gateway.api.admin import alias_info
 from gateway.errors import BadRequest
+from gateway.loop.training import base_model_path
 from gateway.protocol import parse_json_object, validate_request
 from gateway.state import GatewayState
-from gateway.training import base_model_path
 
 router = APIRouter(prefix="/flywheel/v1/training")
 

@@ -8,14 +8,7 @@ Examples::
     flywheel trajectories export --format parquet --out ./parquet
     flywheel trajectories delete --client-key-id key_0123456789ab --yes
 
-Where the data comes from (DuckDB lets one process open the file, DESIGN §8):
-
-- ``--gateway URL``: the running gateway's admin API, nothing else.
-- ``--database``/``--data-dir``: that store file, opened directly (the gateway must not run).
-- neither: the gateway at the configuration's host and port when it answers ``/healthz``,
-  otherwise the configuration's store file.
-
-The admin key is ``--admin-key``, else ``FLYWHEEL_ADMIN_KEY``, else the configuration's.
+Where the data comes from: ``gateway/cli/common.py`` (``locate``).
 """
 
 from __future__ import annotations
@@ -26,10 +19,9 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 from urllib.parse import quote
 
 import httpx
@@ -39,25 +31,27 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gateway.cli.common import (
+    AdminKeyOption,
+    AliasOption,
+    ConfigOption,
+    DatabaseOption,
+    DataDirOption,
+    GatewayOption,
+    Target,
+    error_code,
+    error_message,
+    fail,
+    locate,
+    open_store,
+)
+
 if TYPE_CHECKING:
     from capture.export import ParquetExport
     from capture.store import Store
-    from gateway.config import Settings
 
 trajectories_app = typer.Typer(help="List, show, export and delete captured trajectories.", no_args_is_help=True)
 
-ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
-GatewayOption = Annotated[str | None, typer.Option(
-    "--gateway", help="Admin API of a running gateway, e.g. http://127.0.0.1:8000 (default: the config's "
-                      "host and port, when it answers).")]
-AdminKeyOption = Annotated[str | None, typer.Option(
-    "--admin-key", help="Admin key for the gateway (default: $FLYWHEEL_ADMIN_KEY, then the config's).",
-    show_default=False)]
-DataDirOption = Annotated[Path | None, typer.Option(
-    "--data-dir", help="Data directory whose store file to open directly (no gateway).")]
-DatabaseOption = Annotated[str | None, typer.Option(
-    "--database", help="Store file (or URL) to open directly (no gateway).")]
-AliasOption = Annotated[str | None, typer.Option("--alias", help="Only this model alias.")]
 SinceOption = Annotated[str | None, typer.Option(
     "--since", help="Created at or after: ISO 8601, unix seconds, or a duration ago (30m, 2h, 7d).")]
 UntilOption = Annotated[str | None, typer.Option("--until", help="Created before (same forms as --since).")]
@@ -70,20 +64,6 @@ ClientKeyOption = Annotated[str | None, typer.Option("--client-key-id", help="On
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 _PAGE = 1000  # trajectories per request when walking a whole selection
-
-
-def fail_cli(message: str) -> NoReturn:
-    # Imported here, not at the top: gateway.cli imports this module to register the commands.
-    from gateway.cli import fail
-
-    fail(message)
-    raise AssertionError("unreachable")
-
-
-def cli_settings(config: Path | None, data_dir: Path | None) -> Settings:
-    from gateway.cli import settings_or_exit
-
-    return settings_or_exit(config, data_dir=data_dir)
 
 
 def _console(stderr: bool = False) -> Console:
@@ -124,11 +104,11 @@ class ApiBackend:
         try:
             response = self.client.request(method, path, params=params)
         except httpx.HTTPError as exc:
-            fail_cli(f"gateway at {self.where} failed: {exc}")
-        if response.status_code == 404 and _error_code(response) == "not_found":
+            fail(f"gateway at {self.where} failed: {exc}")
+        if response.status_code == 404 and error_code(response) == "not_found":
             return None
         if response.status_code >= 400:
-            fail_cli(f"gateway answered {response.status_code}: {error_message(response)}")
+            fail(f"gateway answered {response.status_code}: {error_message(response)}")
         body: dict[str, Any] = response.json()
         return body
 
@@ -167,21 +147,6 @@ class ApiBackend:
                 return export_parquet(store, out_dir)
             finally:
                 store.close()
-
-
-def error_message(response: httpx.Response) -> str:
-    """The message of an OpenAI-shaped error response (the start of the body otherwise)."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
-
-
-def _error_code(response: httpx.Response) -> str | None:
-    try:
-        return str(response.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class StoreBackend:
@@ -229,7 +194,7 @@ class StoreBackend:
         try:
             result = export_parquet(self.store, out_dir, flt)
         except ExportError as exc:
-            fail_cli(str(exc))
+            fail(str(exc))
         progress.update(task, completed=len(ids))
         return result
 
@@ -241,45 +206,7 @@ def _query_errors() -> Iterator[None]:
     try:
         yield
     except QueryError as exc:
-        fail_cli(str(exc))
-
-
-@dataclass
-class Target:
-    """The options every command shares: which configuration, which gateway or file."""
-
-    config: Path | None
-    gateway: str | None
-    admin_key: str | None
-    data_dir: Path | None
-    database: str | None
-
-
-@dataclass
-class Location:
-    """Where a command's data lives: a running gateway (``url``) or a store file (``database``)."""
-
-    settings: Settings
-    url: str | None = None
-    admin_key: str | None = None
-    database: str | None = None
-
-
-def locate(target: Target) -> Location:
-    """The gateway's admin API when it answers, otherwise the store file (see the module docstring)."""
-    if target.gateway and (target.database or target.data_dir):
-        fail_cli("--gateway reads through a running gateway; --database/--data-dir open a file: choose one")
-    settings = cli_settings(target.config, target.data_dir)
-    if not (target.database or target.data_dir):
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-        url = target.gateway or f"http://{host}:{settings.port}"
-        if _answers(url):
-            admin = settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None
-            return Location(settings, url=url, admin_key=target.admin_key or os.environ.get("FLYWHEEL_ADMIN_KEY")
-                            or admin)
-        if target.gateway:
-            fail_cli(f"no gateway answers at {url}")
-    return Location(settings, database=target.database or settings.database)
+        fail(str(exc))
 
 
 @contextmanager
@@ -298,31 +225,6 @@ def connect(target: Target) -> Iterator[Backend]:
         yield StoreBackend(store)
     finally:
         store.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url.rstrip("/") + "/healthz", timeout=2.0)
-    except httpx.HTTPError:
-        return False
-    return True
-
-
-def open_store(database: str) -> Store:
-    from capture.store import SchemaError, Store, database_url
-
-    url = database_url(database)
-    if url.startswith("duckdb:///") and not Path(url.removeprefix("duckdb:///")).is_file():
-        fail_cli(f"no store at {url.removeprefix('duckdb:///')} (is a gateway running elsewhere? pass --gateway URL)")
-    try:
-        return Store(database)
-    except SchemaError as exc:
-        fail_cli(str(exc))
-    except Exception as exc:
-        message = str(exc).splitlines()[0]
-        if "lock" in message.lower():
-            fail_cli(f"the store is open in another process (a gateway?); use --gateway URL. ({message})")
-        fail_cli(f"cannot open the store {database}: {message}")
 
 
 def _filters(alias: str | None, since: str | None, until: str | None, status: str | None, task: str | None,
@@ -403,7 +305,7 @@ def show_command(trajectory_id: Annotated[str, typer.Argument(help="The trajecto
     with connect(Target(config, gateway, admin_key, data_dir, database)) as backend:
         detail = backend.detail(trajectory_id)
     if detail is None:
-        fail_cli(f"no trajectory {trajectory_id!r}")
+        fail(f"no trajectory {trajectory_id!r}")
     if as_json:
         typer.echo(json.dumps(detail, indent=2))
         return
@@ -458,11 +360,11 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
     from capture.export import FORMATS
 
     if fmt not in FORMATS:
-        fail_cli(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if fmt != "parquet" and out.is_dir():
-        fail_cli(f"--out {out} is a directory; {fmt} export writes one JSON Lines file")
+        fail(f"--out {out} is a directory; {fmt} export writes one JSON Lines file")
     if fmt == "parquet" and out.exists() and not out.is_dir():
-        fail_cli(f"--out {out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
+        fail(f"--out {out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
     filters = _filters(alias, since, until, status, task, has_reward, client_key_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=_console(stderr=True))
@@ -510,17 +412,17 @@ def delete_command(trajectory_id: Annotated[str | None, typer.Argument(help="The
     Example: flywheel trajectories delete --client-key-id key_0123456789ab --yes
     """
     if (trajectory_id is None) == (client_key_id is None):
-        fail_cli("give a trajectory id or --client-key-id (one of them)")
+        fail("give a trajectory id or --client-key-id (one of them)")
     what = f"trajectory {trajectory_id}" if trajectory_id else f"everything of client key {client_key_id}"
     if not yes:
         if not sys.stdin.isatty():
-            fail_cli(f"refusing to delete {what} without --yes (no terminal to ask)")
+            fail(f"refusing to delete {what} without --yes (no terminal to ask)")
         typer.confirm(f"Delete {what}?", abort=True)
     with connect(Target(config, gateway, admin_key, data_dir, database)) as backend:
         if trajectory_id is not None:
             found = backend.delete(trajectory_id)
             if found is None:
-                fail_cli(f"no trajectory {trajectory_id!r}")
+                fail(f"no trajectory {trajectory_id!r}")
         else:
             assert client_key_id is not None
             found = backend.delete_client(client_key_id)

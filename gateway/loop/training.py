@@ -1,6 +1,6 @@
 """One training round for an alias: scored groups in, a new adapter version out.
 
-The gateway is the composition root (DESIGN §2): it reads the batch from the store, hands
+The gateway is the composition root (architecture §2): it reads the batch from the store, hands
 it to the trainer (which knows nothing of serving), records the result and, when asked,
 hot-loads the new adapter. ``flywheel train`` runs a round in its own process — through
 the running gateway's admin API (``/flywheel/v1/training/...``) or on the store file when

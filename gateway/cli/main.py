@@ -11,46 +11,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
-from gateway import cli_jobs
-from gateway.cli_trajectories import trajectories_app
-from gateway.config import Settings, load_settings
+from gateway.cli import jobs
+from gateway.cli.common import ConfigOption, settings_or_exit
+from gateway.cli.trajectories import trajectories_app
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None)
 
 app.add_typer(trajectories_app, name="trajectories")
-app.command("groups")(cli_jobs.groups)
-app.command("score")(cli_jobs.score)
-app.command("train")(cli_jobs.train)
-
-ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
-
-
-def fail(message: str) -> None:
-    """One line on stderr and a non-zero exit: the CLI's way to report bad input."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
-def settings_or_exit(config: Path | None, **overrides: Any) -> Settings:
-    try:
-        return load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
-    except FileNotFoundError as exc:
-        fail(str(exc))
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(p) for p in error["loc"]) or "config"
-        fail(f"invalid configuration: {where}: {error['msg']}")
-    except ValueError as exc:  # TOML syntax errors
-        fail(f"invalid configuration: {exc}")
-    raise AssertionError("unreachable")
-
+app.command("groups")(jobs.groups)
+app.command("score")(jobs.score)
+app.command("train")(jobs.train)
 
 @app.command()
 def serve(config: ConfigOption = None,

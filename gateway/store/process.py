@@ -1,8 +1,8 @@
 """The store process: owns the store, records captured turns, serves the store-backed routes.
 
-The gateway starts it (:mod:`gateway.store_link`) as ``python -m gateway.store_process``
+The gateway starts it (:mod:`gateway.store.link`) as ``python -m gateway.store.process``
 with its settings on stdin, and it lives as long as the gateway. Why a process of its own
-(docs/gateway.md, "Two processes"): DuckDB lets one process open a file (DESIGN §8), and
+(docs/gateway.md, "Two processes"): DuckDB lets one process open a file (architecture §8), and
 capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must not take the
 GIL from the request path (measured: it halved the gateway's throughput when it did).
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import pickle
@@ -30,33 +29,27 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import orjson
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
 from capture.recorder import Recorder, Spool
-from capture.redaction import Redactor
 from capture.store import Store
-from gateway import feedback_api, stored_api, trajectories_api
+from gateway.api import feedback
+from gateway.api.common import json_response
+from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
-from gateway.error_handlers import install_error_handlers
+from gateway.loop.training import promoted_version, record_training, round_from_json, training_batch
+from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
-from gateway.state import StoreState
-from gateway.training import promoted_version, record_training, round_from_json, training_batch
+from gateway.store.link import redactor_for
+from gateway.store.routes import STORE_ROUTERS
+from gateway.store.state import StoreState
 
 log = logging.getLogger("flywheel.store")
 
-# The routes the gateway forwards here as they are (gateway/app.py mounts a proxy for each).
-STORE_ROUTERS = (stored_api.router, trajectories_api.router, feedback_api.router)
 _CHUNK = 1 << 20  # ingest socket reads
-
-
-def redactor_for(settings: Settings) -> Redactor | None:
-    redaction = settings.capture.redaction
-    return Redactor(builtin=redaction.builtin, patterns=redaction.patterns) \
-        if redaction.builtin or redaction.patterns else None
 
 
 def open_state(settings: Settings) -> StoreState:
@@ -120,21 +113,10 @@ def start_jobs(state: StoreState) -> AsyncIOScheduler:
     scheduler.add_job(asyncio.to_thread, "interval", args=[store.close_idle, idle_s], id="close-idle",
                       seconds=max(1.0, min(60.0, idle_s / 4)), max_instances=1, coalesce=True)
     scheduler.add_job(asyncio.to_thread, "interval", id="form-groups", seconds=settings.groups.form_every_s,
-                      args=[feedback_api.run_group_formation, store, settings.groups], max_instances=1,
+                      args=[feedback.run_group_formation, store, settings.groups], max_instances=1,
                       coalesce=True)
     scheduler.start()
     return scheduler
-
-
-def tune_gc() -> None:
-    """Fewer, cheaper collections for a server process, called once it has started: every request or
-    captured turn allocates thousands of short-lived containers (freed by refcount), and full
-    collections walked every object imported at startup. Measured: ~20% of the store process's CPU
-    per turn; in the gateway ~80 us a request at saturation, most of it ~80 ms full collections.
-    Frozen startup objects and a 10k gen-0 threshold take most of it away."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 50, 100)
 
 
 async def exit_with_parent(parent_pid: int) -> None:
@@ -150,19 +132,15 @@ async def exit_with_parent(parent_pid: int) -> None:
 internal = APIRouter(prefix="/internal")
 
 
-def _json(body: object) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
-
 @internal.get("/ready")
 async def ready() -> Response:
-    return _json({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 @internal.get("/capture-stats")
 async def capture_stats(request: Request) -> Response:
     """The recorder's turn counters (queued, written, spooled, reingested, failed)."""
-    return _json(dict(StoreState.of(request).recorder.stats))
+    return json_response(dict(StoreState.of(request).recorder.stats))
 
 
 @internal.get("/promoted")
@@ -174,7 +152,7 @@ async def promoted(request: Request) -> Response:
         adapter = await asyncio.to_thread(promoted_version, state.store, alias)
         if adapter is not None:
             out[alias] = {"path": adapter.path, "version": adapter.version}
-    return _json(out)
+    return json_response(out)
 
 
 @internal.get("/training/batch")
@@ -184,7 +162,7 @@ async def batch(request: Request) -> Response:
     max_groups = int(request.query_params.get("max_groups") or state.settings.train.max_groups)
     await state.caught_up(request)
     groups = await asyncio.to_thread(training_batch, state.store, alias, max_groups)
-    return _json([g.to_json() for g in groups])
+    return json_response([g.to_json() for g in groups])
 
 
 @internal.post("/training/rounds")
@@ -194,7 +172,7 @@ async def rounds(request: Request) -> Response:
     result = round_from_json(body["result"])
     adapter = await asyncio.to_thread(record_training, state.store, body["alias"], result, version=body["version"],
                                       parent_version=body.get("parent_version"), promote=bool(body.get("promote")))
-    return _json(adapter.model_dump(mode="json") if adapter is not None else None)
+    return json_response(adapter.model_dump(mode="json") if adapter is not None else None)
 
 
 def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:

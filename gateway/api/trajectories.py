@@ -18,19 +18,17 @@ is reported as not found.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from capture import export, queries
 from capture.queries import QueryError, TrajectoryFilter
 from capture.store import Store
-from gateway.errors import BadRequest, NotFound
-from gateway.openai_api import read_body
+from gateway.api.common import caught_up_store, json_response, not_found, query_error, read_body, run_query
+from gateway.errors import BadRequest
 from gateway.protocol import parse_json_object
-from gateway.state import StoreState
+from gateway.store.state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 
@@ -38,28 +36,12 @@ _MAX_LIMIT = 1000
 _FILTERS = ("alias", "since", "until", "status", "task", "has_reward", "client_key_id")
 
 
-def _json(body: Any) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
 
 async def _admin(request: Request) -> Store:
     """The store, caught up with what the gateway answered so far (401 without the admin key)."""
-    state = StoreState.of(request)
-    state.auth.admin(request)
-    await state.caught_up(request)
-    return state.store
+    store, _ = await caught_up_store(request, admin=True)
+    return store
 
-
-def _not_found(trajectory_id: str) -> NotFound:
-    return NotFound(f"No trajectory found with id '{trajectory_id}'.", code="not_found")
-
-
-async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """A blocking store call on a worker thread; filter errors become 400s naming the parameter."""
-    try:
-        return await asyncio.to_thread(function, *args, **kwargs)
-    except QueryError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
 
 
 @router.get("/trajectories")
@@ -71,10 +53,10 @@ async def list_trajectories(request: Request) -> Response:
         limit = queries.parse_limit(params.get("limit"), "limit", default=100, maximum=_MAX_LIMIT)
         order = queries.parse_order(params.get("order"), default="desc")
     except QueryError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
-    page = await _run(queries.list_trajectories, store, flt, limit=limit, after=params.get("after") or None,
+        raise query_error(exc) from None
+    page = await run_query(queries.list_trajectories, store, flt, limit=limit, after=params.get("after") or None,
                       order=order)
-    return _json(page.to_json())
+    return json_response(page.to_json())
 
 
 @router.delete("/trajectories")
@@ -84,8 +66,8 @@ async def delete_client_trajectories(request: Request) -> Response:
     if not client_key_id:
         raise BadRequest("Missing required parameter: 'client_key_id' (deleting every trajectory is not offered).",
                          param="client_key_id", code="missing_required_parameter")
-    counts = await _run(queries.delete_client_data, store, client_key_id)
-    return _json({"object": "client_key.deleted", "client_key_id": client_key_id, "deleted": True,
+    counts = await run_query(queries.delete_client_data, store, client_key_id)
+    return json_response({"object": "client_key.deleted", "client_key_id": client_key_id, "deleted": True,
                   "rows": counts.to_json()})
 
 
@@ -97,9 +79,9 @@ async def export_trajectory(trajectory_id: str, request: Request) -> Response:
         raise BadRequest(f"Invalid value for 'format': expected 'openai' or 'art', got {fmt!r} "
                          "(Parquet comes from the CLI: flywheel trajectories export --format parquet).",
                          param="format", code="invalid_value")
-    detail = await _run(queries.trajectory_detail, store, trajectory_id)
+    detail = await run_query(queries.trajectory_detail, store, trajectory_id)
     if detail is None:
-        raise _not_found(trajectory_id)
+        raise not_found("trajectory", trajectory_id)
     body = export.jsonl(export.records(detail, "openai" if fmt == "openai" else "art"))
     return Response(body.encode(), media_type="application/x-ndjson")
 
@@ -118,26 +100,27 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
         if not isinstance(reason, str):
             raise BadRequest("Invalid value for 'reason': expected a string.", param="reason", code="invalid_type")
     await state.caught_up(request)  # the turn answered a moment ago must be in before the close
-    found = await _run(queries.get_trajectory, store, trajectory_id)
+    found = await run_query(queries.get_trajectory, store, trajectory_id)
     if found is None or (key_id is not None and found["client_key_id"] != key_id):
-        raise _not_found(trajectory_id)  # another key's trajectory is not even admitted to exist
+        raise not_found("trajectory", trajectory_id)  # another key's trajectory is not even admitted to exist
     await asyncio.to_thread(store.close_trajectory, trajectory_id, reason)
-    return _json(await _run(queries.get_trajectory, store, trajectory_id))
+    return json_response(await run_query(queries.get_trajectory, store, trajectory_id))
 
 
 @router.get("/trajectories/{trajectory_id:path}")
 async def show_trajectory(trajectory_id: str, request: Request) -> Response:
     store = await _admin(request)
-    detail = await _run(queries.trajectory_detail, store, trajectory_id)
+    detail = await run_query(queries.trajectory_detail, store, trajectory_id)
     if detail is None:
-        raise _not_found(trajectory_id)
-    return _json(detail)
+        raise not_found("trajectory", trajectory_id)
+    return json_response(detail)
 
 
 @router.delete("/trajectories/{trajectory_id:path}")
 async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
     store = await _admin(request)
-    counts = await _run(queries.delete_trajectory, store, trajectory_id)
+    counts = await run_query(queries.delete_trajectory, store, trajectory_id)
     if counts is None:
-        raise _not_found(trajectory_id)
-    return _json({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True, "rows": counts.to_json()})
+        raise not_found("trajectory", trajectory_id)
+    return json_response({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True,
+                          "rows": counts.to_json()})

@@ -21,13 +21,14 @@ from starlette.types import Receive, Scope, Send
 
 from capture.assembler import StreamAssembler
 from capture.turns import CapturedExchange
-from gateway.capturing import CapturePlan, plan_capture
+from gateway.api.common import read_body
 from gateway.engines.base import Body, Chunk
-from gateway.errors import OpenAIError, PayloadTooLarge, UpstreamError
+from gateway.errors import OpenAIError, UpstreamError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
 from gateway.routing import ServedModel
 from gateway.state import GatewayState
-from gateway.store_link import StoreLink
+from gateway.store.capture_plan import CapturePlan, plan_capture
+from gateway.store.link import StoreLink
 
 log = logging.getLogger("flywheel.api")
 router = APIRouter()
@@ -101,21 +102,6 @@ def _shape_choice(choice: Body, asks: ClientAsks) -> Body:
     if not asks.logprobs and "logprobs" in out:
         out["logprobs"] = None
     return out
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing (413) anything over ``limit`` bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {limit}.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"Request body is over the limit of {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @router.post("/v1/chat/completions")

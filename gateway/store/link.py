@@ -1,4 +1,4 @@
-"""The gateway's side of the store process (:mod:`gateway.store_process`).
+"""The gateway's side of the store process (:mod:`gateway.store.process`).
 
 :class:`StoreLink` starts the store process, restarts it if it dies, streams every
 captured exchange to it, and forwards the store-backed routes to it. On the request
@@ -36,14 +36,21 @@ from capture.redaction import Redactor
 from capture.turns import CapturedExchange, prepare_lines
 from gateway.config import Settings
 from gateway.errors import OpenAIError, UpstreamError
-from gateway.state import INGEST_SEQ_HEADER
 
 log = logging.getLogger("flywheel.store_link")
+
+INGEST_SEQ_HEADER = "x-flywheel-ingest-seq"  # exchanges the gateway had streamed when it forwarded a request
 
 # Headers that describe one hop of a connection, not the request: never forwarded.
 _HOP_BY_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "content-length"})
 _NOT_RETURNED = _HOP_BY_HOP | {"date", "server"}  # the gateway's own server sets these
+
+
+def redactor_for(settings: Settings) -> Redactor | None:
+    redaction = settings.capture.redaction
+    return Redactor(builtin=redaction.builtin, patterns=redaction.patterns) \
+        if redaction.builtin or redaction.patterns else None
 
 
 class StoreProcessError(RuntimeError):
@@ -156,7 +163,7 @@ class StoreLink:
             path.unlink(missing_ok=True)
         # Its own session: a terminal's Ctrl-C reaches the gateway only, which then stops it in order.
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.store_process", "--api-socket", str(self.api_socket),
+            sys.executable, "-m", "gateway.store.process", "--api-socket", str(self.api_socket),
             "--ingest-socket", str(self.ingest_socket), stdin=asyncio.subprocess.PIPE, start_new_session=True)
         assert self._proc.stdin is not None
         self._proc.stdin.write(pickle.dumps(self.settings.model_dump()))

@@ -2,7 +2,7 @@
 
 Both go through the running gateway's admin API when one answers (DuckDB lets one process
 open the store), and open the store file themselves otherwise — the same rule as
-``flywheel trajectories`` (``gateway/cli_trajectories.py: locate``).
+every command (``gateway/cli/common.py: locate``).
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gateway.cli_trajectories import (
+from gateway.cli.common import (
     AdminKeyOption,
     AliasOption,
     ConfigOption,
@@ -24,26 +23,11 @@ from gateway.cli_trajectories import (
     GatewayOption,
     Location,
     Target,
-    error_message,
-    fail_cli,
+    admin_call,
+    fail,
     locate,
     open_store,
 )
-
-
-def admin_call(location: Location, method: str, path: str, params: dict[str, str] | None = None, *,
-               json_body: dict[str, Any] | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Call the located gateway's admin API; a failure is a one-line CLI error."""
-    headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
-    try:
-        response = httpx.request(method, f"{location.url}{path}", params=params, json=json_body, headers=headers,
-                                 timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        fail_cli(f"gateway at {location.url} failed: {type(exc).__name__}")
-    if response.status_code != 200:
-        fail_cli(f"gateway answered {response.status_code}: {error_message(response)}")
-    result: dict[str, Any] = response.json()
-    return result
 
 
 def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
@@ -52,7 +36,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
 
     Example: flywheel groups
     """
-    from gateway.feedback_api import run_group_formation
+    from gateway.api.feedback import run_group_formation
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
@@ -122,7 +106,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     Example: flywheel train --alias my-agent --max-groups 32 --promote
     """
     from capture.batches import TrainingGroup
-    from gateway.training import (
+    from gateway.loop.training import (
         base_model_path,
         grpo_args,
         promoted_version,
@@ -135,7 +119,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings
     if alias not in settings.aliases:
-        fail_cli(f"--alias: no alias named {alias!r} in the configuration")
+        fail(f"--alias: no alias named {alias!r} in the configuration")
     limit = max_groups or settings.train.max_groups
     overrides = _field_values(set_ or [])
     if location.url is not None:
@@ -153,7 +137,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
         try:
             base = base_model_path(settings, alias)
         except ValueError as exc:
-            fail_cli(str(exc))
+            fail(str(exc))
         current = {"version": promoted.version, "path": promoted.path} if promoted else None
     if not groups:
         typer.echo(f"nothing to train: no scored groups for {alias} (run flywheel groups and flywheel score)")
@@ -161,7 +145,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     try:
         args = grpo_args(settings, base, overrides)
     except TypeError as exc:
-        fail_cli(f"--set: {exc}")
+        fail(f"--set: {exc}")
     version, out_dir = adapters.reserve_version(settings.data_dir, alias)
     init = current["path"] if current else None
     typer.echo(f"training {alias} on {len(groups)} groups from {init or 'a fresh LoRA'} -> version {version}",
@@ -200,7 +184,7 @@ def _field_values(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            fail_cli(f"--set: expected FIELD=VALUE, got {pair!r}")
+            fail(f"--set: expected FIELD=VALUE, got {pair!r}")
         try:
             values[key.strip()] = json.loads(raw)
         except ValueError:

@@ -9,26 +9,24 @@
 Every captured chat completion is "stored" (the gateway captures unless told not to; the
 request's ``store`` flag is not consulted). A client key sees only its own completions;
 with no client keys configured every completion is visible. ``POST /v1/chat/completions``
-(creating one) lives in :mod:`gateway.openai_api`; only the methods differ.
+(creating one) lives in :mod:`gateway.api.completions`; only the methods differ.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from capture import queries
 from capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
 from capture.store import Store
-from gateway.errors import BadRequest, NotFound
-from gateway.openai_api import read_body
+from gateway.api.common import caught_up_store, json_response, not_found, query_error, read_body, run_query
+from gateway.errors import BadRequest
 from gateway.protocol import parse_json_object
-from gateway.state import StoreState
+from gateway.store.state import StoreState
 
 router = APIRouter()
 
@@ -37,29 +35,12 @@ _MAX_LIMIT = 100  # OpenAI's cap on list pages
 _MAX_METADATA_KEYS, _MAX_KEY_CHARS, _MAX_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
 
 
-def _json(body: Any) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json")
-
 
 async def _caller(request: Request) -> tuple[Store, Owner]:
-    """The store, caught up with what the gateway answered so far, and whose completions the caller may
-    see (401 on a wrong key)."""
-    state = StoreState.of(request)
-    key_id = state.auth.client(request)
-    await state.caught_up(request)
-    return state.store, (key_id if key_id is not None else EVERY_KEY)
+    """The store, and whose completions the caller may see (every key's when no client keys are set)."""
+    store, key_id = await caught_up_store(request, admin=False)
+    return store, (key_id if key_id is not None else EVERY_KEY)
 
-
-def _not_found(completion_id: str) -> NotFound:
-    return NotFound(f"No chat completion found with id '{completion_id}'.", code="not_found")
-
-
-async def _run(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """A blocking store call on a worker thread; filter errors become 400s naming the parameter."""
-    try:
-        return await asyncio.to_thread(function, *args, **kwargs)
-    except QueryError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
 
 
 @router.get("/v1/chat/completions")
@@ -72,20 +53,20 @@ async def list_chat_completions(request: Request) -> Response:
         limit = queries.parse_limit(params.get("limit"), "limit", default=20, maximum=_MAX_LIMIT)
         order = queries.parse_order(params.get("order"))
     except QueryError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
+        raise query_error(exc) from None
     flt = CompletionFilter(model=params.get("model") or None, metadata=metadata)
-    page = await _run(queries.list_completions, store, owner, flt, limit=limit, after=params.get("after") or None,
+    page = await run_query(queries.list_completions, store, owner, flt, limit=limit, after=params.get("after") or None,
                       order=order)
-    return _json(page.to_json())
+    return json_response(page.to_json())
 
 
 @router.get("/v1/chat/completions/{completion_id}")
 async def retrieve_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
-    found = await _run(queries.get_completion, store, completion_id, owner)
+    found = await run_query(queries.get_completion, store, completion_id, owner)
     if found is None:
-        raise _not_found(completion_id)
-    return _json(found)
+        raise not_found("chat completion", completion_id)
+    return json_response(found)
 
 
 @router.post("/v1/chat/completions/{completion_id}")
@@ -96,18 +77,18 @@ async def update_chat_completion(completion_id: str, request: Request) -> Respon
         raise BadRequest("Missing required parameter: 'metadata'.", param="metadata",
                          code="missing_required_parameter")
     metadata = _valid_metadata(body["metadata"])
-    updated = await _run(queries.update_completion_metadata, store, completion_id, owner, metadata)
+    updated = await run_query(queries.update_completion_metadata, store, completion_id, owner, metadata)
     if updated is None:
-        raise _not_found(completion_id)
-    return _json(updated)
+        raise not_found("chat completion", completion_id)
+    return json_response(updated)
 
 
 @router.delete("/v1/chat/completions/{completion_id}")
 async def delete_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
-    if not await _run(queries.delete_completion, store, completion_id, owner):
-        raise _not_found(completion_id)
-    return _json({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
+    if not await run_query(queries.delete_completion, store, completion_id, owner):
+        raise not_found("chat completion", completion_id)
+    return json_response({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
 
 
 @router.get("/v1/chat/completions/{completion_id}/messages")
@@ -118,12 +99,12 @@ async def list_chat_completion_messages(completion_id: str, request: Request) ->
         limit = queries.parse_limit(params.get("limit"), "limit", default=20, maximum=_MAX_LIMIT)
         order = queries.parse_order(params.get("order"))
     except QueryError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_value") from None
-    page = await _run(queries.completion_messages, store, completion_id, owner, limit=limit,
+        raise query_error(exc) from None
+    page = await run_query(queries.completion_messages, store, completion_id, owner, limit=limit,
                       after=params.get("after") or None, order=order)
     if page is None:
-        raise _not_found(completion_id)
-    return _json(page.to_json())
+        raise not_found("chat completion", completion_id)
+    return json_response(page.to_json())
 
 
 def _valid_metadata(value: Any) -> dict[str, str] | None:

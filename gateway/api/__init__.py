@@ -1,0 +1,1 @@
+"""The HTTP routes: the OpenAI API, Stored Completions, trajectories, feedback, training, admin."""

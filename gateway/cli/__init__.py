@@ -1,0 +1,5 @@
+"""The ``flywheel`` command (``gateway.cli.main``), one module per group of commands."""
+
+from gateway.cli.main import app
+
+__all__ = ["app"]

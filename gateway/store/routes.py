@@ -1,0 +1,5 @@
+"""The store-backed routes: served by the store process, forwarded unchanged by the gateway (same paths)."""
+
+from gateway.api import feedback, stored, trajectories
+
+STORE_ROUTERS = (stored.router, trajectories.router, feedback.router)
