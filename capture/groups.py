@@ -12,7 +12,9 @@ labelled with its source in ``groups.source``:
 
 A trajectory joins at most one group. Groups smaller than ``min_size`` wait for more
 members (explicit and task) or are dropped (fork); larger ones are cut at ``max_size``,
-oldest first — never padded.
+oldest first — never padded. A stable ``holdout_fraction`` of the trajectories that are not
+explicitly grouped never joins a task or cohort group: the promotion gate's contexts come from
+them, so it never evaluates on what was trained.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ class GroupingRules:
     max_size: int = 8
     task_window_s: float = 3600.0
     cohorts: bool = False
+    holdout_fraction: float = 0.0  # task and cohort trajectories kept out of training, for the promotion gate
+
+
+def held_out(trajectory_id: str, fraction: float) -> bool:
+    """Whether a trajectory is in the held-out share: a stable hash of its id, so every caller agrees."""
+    if fraction <= 0:
+        return False
+    bucket = int.from_bytes(hashlib.sha256(trajectory_id.encode()).digest()[:4], "big") / 2**32
+    return bucket < fraction
 
 
 def form_groups(session: Session, rules: GroupingRules, now: datetime | None = None) -> list[Group]:
@@ -54,7 +65,7 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
                                                                      col(Trajectory.group_key).is_not(None))))
     explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
     formed += _keyed_groups(session, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
-    remaining = [t for t in closed if not t.group_key]
+    remaining = [t for t in closed if not t.group_key and not held_out(t.id, rules.holdout_fraction)]
     formed += _keyed_groups(session, "task", remaining, lambda t: t.task_key, rules, now, window_s=rules.task_window_s)
     if rules.cohorts:
         session.flush()

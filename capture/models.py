@@ -12,10 +12,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime
+from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 1  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 2  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -158,9 +158,15 @@ class Feedback(SQLModel, table=True):
 
 
 class AdapterVersion(SQLModel, table=True):
-    """A LoRA adapter produced for an alias, and what became of it."""
+    """A LoRA adapter version of an alias and what became of it: the one source of version numbers.
+
+    ``status``: ``training`` (number reserved by a round in progress), ``failed``, ``candidate``
+    (trained, waiting for the gate), ``canary`` (on live A/B), ``promoted`` (serving; at most one
+    per alias), ``retired`` (served before, replaced), ``rejected``, ``rolled_back``, ``deleted``.
+    """
 
     __tablename__ = "adapter_versions"
+    __table_args__ = (Index("uq_adapter_versions_alias_version", "alias", "version", unique=True),)
     id: str = Field(primary_key=True)
     alias: str = Field(index=True)
     version: int
@@ -172,6 +178,11 @@ class AdapterVersion(SQLModel, table=True):
     created_at: datetime = _ts()
     promoted_at: datetime | None = _ts(nullable=True)
     metrics: dict[str, Any] | None = _json()
+    source: str = "trained"
+    previous_version: int | None = None
+    decided_at: datetime | None = _ts(nullable=True)
+    reason: str | None = None
+    gate: dict[str, Any] | None = _json()
 
 
 class TrainingRun(SQLModel, table=True):
@@ -187,4 +198,19 @@ class TrainingRun(SQLModel, table=True):
     group_ids: list[str] | None = _json()
     metrics: dict[str, Any] | None = _json()
     adapter_version_id: str | None = None
+    error: str | None = None
+
+
+class JobRun(SQLModel, table=True):
+    """One run of a loop job (close idle, form groups, score, train, gate, canary, monitor) and its outcome."""
+
+    __tablename__ = "job_runs"
+    id: str = Field(primary_key=True)
+    job: str = Field(index=True)
+    alias: str | None = Field(default=None, index=True)
+    status: str = Field(default="running", index=True)
+    started_at: datetime = _ts(index=True)
+    finished_at: datetime | None = _ts(nullable=True)
+    counts: dict[str, Any] | None = _json()
+    detail: str | None = None
     error: str | None = None

@@ -28,8 +28,20 @@ from capture.turns import PreparedTurn, new_id
 
 log = logging.getLogger("flywheel.store")
 
+
+
+def _loop_tables(connection: Any) -> None:
+    """1 -> 2: the loop's ``job_runs`` table; versions record their source, predecessor, decision and gate."""
+    SQLModel.metadata.tables["job_runs"].create(connection)
+    for column, kind in (("source", "VARCHAR DEFAULT 'trained'"), ("previous_version", "INTEGER"),
+                         ("decided_at", "TIMESTAMP WITH TIME ZONE"), ("reason", "VARCHAR"), ("gate", "JSON")):
+        connection.execute(text(f"ALTER TABLE adapter_versions ADD COLUMN {column} {kind}"))
+    connection.execute(text("CREATE UNIQUE INDEX uq_adapter_versions_alias_version "
+                            "ON adapter_versions (alias, version)"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
-MIGRATIONS: dict[int, tuple[str, Any]] = {}
+MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables)}
 
 
 class SchemaError(RuntimeError):

@@ -19,13 +19,16 @@ from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from gateway.api import admin, completions, training
+from gateway.api import admin, completions, loop_admin, training
 from gateway.api.common import read_body
 from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
+from gateway.discovery import announce, local_url, withdraw
 from gateway.engines.base import Engine
 from gateway.errors import OpenAIError
+from gateway.loop.promotion import restore_serving
+from gateway.loop.scheduler import Loop
 from gateway.process import tune_gc
 from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
@@ -65,16 +68,10 @@ async def start_gateway(settings: Settings) -> GatewayState:
         base = cfg.base_model or (engine_cfg.model if isinstance(engine_cfg, LocalEngineConfig) else alias)
         served[alias] = ServedModel(alias=alias, engine_name=cfg.engine, engine=engines[cfg.engine],
                                     base_model=base)
-    router = ModelRouter(settings.routing, served)
-    promoted = await store_link.call("GET", "/internal/promoted")
-    for alias, cfg in settings.aliases.items():
-        if cfg.adapter:
-            await router.switch_adapter(alias, cfg.adapter)
-        elif alias in promoted:  # what training promoted last time keeps being served after a restart
-            await router.switch_adapter(alias, promoted[alias]["path"], version=promoted[alias]["version"])
-    state = GatewayState(settings=settings, engines=engines, router=router,
+    state = GatewayState(settings=settings, engines=engines, router=ModelRouter(settings.routing, served),
                          auth=Authenticator.from_config(settings.auth), store_link=store_link,
                          started_at=int(time.time()))
+    await restore_serving(state)  # what the store says serves each alias (a restart never undoes a promotion)
     state.metrics.watch_capture(store_link.capture_counts)
     return state
 
@@ -83,13 +80,19 @@ def build_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await start_gateway(settings)
-        app.state.gateway, app.state.metrics = state, state.metrics
+        loop = Loop(state, local_url(settings))
+        await loop.start()
+        app.state.gateway, app.state.metrics, app.state.loop = state, state.metrics, loop
+        announced = announce(settings)
         tune_gc()  # everything the gateway keeps is allocated by now
-        log.info("flywheel gateway ready: aliases=%s engines=%s store=%s",
-                 [s.alias for s in state.router.all()], list(state.engines), settings.database)
+        log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s",
+                 [s.alias for s in state.router.all()], list(state.engines), settings.database,
+                 "on" if settings.loop.enabled else "off")
         try:
             yield
         finally:
+            withdraw(announced)
+            await loop.stop()
             await state.store_link.aclose()  # SIGTERM: the store process writes everything it was sent
             for engine in state.engines.values():
                 await engine.aclose()
@@ -98,6 +101,7 @@ def build_app(settings: Settings) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(admin.router)
     app.include_router(training.router)
+    app.include_router(loop_admin.router)
     for store_router in STORE_ROUTERS:  # served by the store process: the same paths, forwarded
         for route in store_router.routes:
             assert isinstance(route, APIRoute) and route.methods

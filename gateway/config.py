@@ -140,6 +140,58 @@ class TrainConfig(BaseModel):
     max_groups: int = Field(default=64, ge=1)  # scored groups per round
 
 
+class GateConfig(BaseModel):
+    """The offline promotion gate: held-out contexts answered by the candidate and the serving version."""
+
+    offline: bool = True  # off: candidates go straight to the canary (or are promoted when that is off too)
+    contexts: int = Field(default=32, ge=1)  # M recent held-out contexts per candidate
+    min_contexts: int = Field(default=8, ge=1)  # fewer held out so far: the candidate waits for more traffic
+    holdout_fraction: float = Field(default=0.1, ge=0, le=0.5)  # of ungrouped trajectories; never trained on
+    win_rate: float = Field(default=0.5, ge=0, le=1)  # pass when (wins + ties / 2) / M reaches this
+    reward_hook: str | None = None  # "module:function" or an http(s) URL; unset: RULER with the [judge] model
+    max_tokens: int = Field(default=256, ge=1)  # per answer
+    temperature: float = Field(default=0.0, ge=0, le=2)  # 0: greedy, the versions' most likely answers
+
+
+class CanaryConfig(BaseModel):
+    """The online gate: a share of live conversations on the candidate, compared by a sequential test."""
+
+    enabled: bool = True
+    fraction: float = Field(default=0.1, gt=0, lt=1)  # of new conversations; sticky per conversation
+    alpha: float = Field(default=0.05, gt=0, lt=1)  # bound on false promotions (and on false rejections)
+    margin: float = Field(default=0.0, ge=0)  # > 0: promote when not worse than the serving version by this
+    max_pairs: int = Field(default=2000, ge=1)  # stop here; the decision is on_max
+    on_max: Literal["reject", "promote"] = "reject"  # neither better nor worse was shown by max_pairs
+    reward_min: float = 0.0  # rewards are clipped to [reward_min, reward_max] for the test (it needs bounds)
+    reward_max: float = 1.0
+
+
+class MonitorConfig(BaseModel):
+    """After a promotion: the same test against the predecessor's recorded rewards; a drop rolls back."""
+
+    enabled: bool = True
+    alpha: float = Field(default=0.05, gt=0, lt=1)  # bound on false rollbacks
+    margin: float = Field(default=0.0, ge=0)  # roll back when worse than the predecessor by more than this
+    max_pairs: int = Field(default=2000, ge=1)  # the monitor ends after this many pairs without a drop
+    baseline: int = Field(default=1000, ge=1)  # the predecessor's most recent rewards compared against
+
+
+class LoopConfig(BaseModel):
+    """The loop that turns traffic into promoted adapters by itself (docs/loop.md)."""
+
+    enabled: bool = True
+    tick_s: float = Field(default=10.0, gt=0)  # how often the train, gate and A/B jobs look for work
+    score_every_s: float = Field(default=30.0, gt=0)  # how often closed groups are scored
+    min_groups: int = Field(default=8, ge=1)  # train when this many scored groups are waiting ...
+    train_every_s: float = Field(default=3600.0, gt=0)  # ... or when the last round is this old and one waits
+    train_nice: int = Field(default=10, ge=0, le=19)  # the training child's niceness: serving keeps the CPU
+    train_threads: int = Field(default=1, ge=0)  # torch threads in the training child (0: torch's default)
+    train_timeout_s: float = Field(default=3600.0, gt=0)  # a round running longer is killed and recorded failed
+    gate: GateConfig = Field(default_factory=GateConfig)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -168,6 +220,7 @@ class Settings(BaseSettings):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     rewards: RewardPolicy = Field(default_factory=RewardPolicy)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
 
     @property
     def database(self) -> str:

@@ -2,10 +2,14 @@
 
 Clients keep sending the model name they always sent; ``RoutingConfig`` maps it to an
 alias, and the alias table here maps the alias to what serves it right now: an engine
-and the name the engine knows (the base model, or an adapter loaded as ``alias@N``).
-Switching an alias to a new adapter is one dict assignment, so every request sees
-either the old or the new version, never a mix; the old adapter is unloaded only
-after its in-flight requests have drained.
+and the name the engine knows (the base model, or an adapter loaded as ``alias@N``, N
+being the store's version number — never reused for other weights). While the loop runs
+a canary, a share of the alias's conversations goes to the candidate version instead
+(``gateway/loop/canary.py`` keeps each conversation on the version it started with).
+
+A switch loads the new version, confirms the engine lists it and answers with it, then
+swaps the alias in one assignment — every request sees the old or the new version, never
+a mix — and unloads the old adapter once its in-flight requests have drained.
 """
 
 from __future__ import annotations
@@ -13,17 +17,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from gateway.config import RoutingConfig
 from gateway.engines.base import Engine
-from gateway.errors import NotFound
+from gateway.errors import NotFound, OpenAIError, UpstreamError
+
+if TYPE_CHECKING:
+    from gateway.loop.canary import CanarySplit
 
 log = logging.getLogger("flywheel.routing")
 
 
 @dataclass
 class ServedModel:
-    """What one alias resolves to at this moment."""
+    """What one alias resolves to at this moment (the version serving it, or its canary candidate)."""
 
     alias: str
     engine_name: str
@@ -31,7 +39,7 @@ class ServedModel:
     base_model: str
     adapter: str | None = None  # engine name of the loaded adapter (alias@N), None for the base model
     adapter_path: str | None = None
-    version: int = 0  # bumped on every switch; the N in alias@N
+    version: int = 0  # the store's version number; 0 is the base model
     in_flight: int = field(default=0, compare=False)
 
     @property
@@ -40,20 +48,28 @@ class ServedModel:
         return self.adapter or self.base_model
 
 
+class SwapError(UpstreamError):
+    """The engine did not load, list or answer with a new adapter version: nothing was switched."""
+
+
 class ModelRouter:
-    """Resolves requested model names and switches aliases between adapters."""
+    """Resolves requested model names, switches aliases between versions, and holds their canaries."""
 
     def __init__(self, routing: RoutingConfig, served: dict[str, ServedModel]) -> None:
         self._routing = routing
         self._served = served
-        self._switch_lock = asyncio.Lock()
+        self.canaries: dict[str, CanarySplit] = {}
+        self._locks = {alias: asyncio.Lock() for alias in served}
 
-    def resolve(self, requested: str) -> ServedModel:
+    def alias_of(self, requested: str) -> str:
         alias = self._routing.resolve(requested, self._served)
         if alias is None:
             raise NotFound(f"The model '{requested}' does not exist or you do not have access to it.",
                            param="model")
-        return self._served[alias]
+        return alias
+
+    def resolve(self, requested: str) -> ServedModel:
+        return self._served[self.alias_of(requested)]
 
     def get(self, alias: str) -> ServedModel:
         if alias not in self._served:
@@ -63,32 +79,74 @@ class ModelRouter:
     def all(self) -> list[ServedModel]:
         return list(self._served.values())
 
-    async def switch_adapter(self, alias: str, adapter_path: str | None, *, version: int | None = None,
-                             drain_timeout_s: float = 30.0) -> ServedModel:
-        """Serve ``alias`` from ``adapter_path`` (None: the base model), then unload the old adapter.
+    def version_model(self, alias: str, version: int, path: str | None) -> ServedModel:
+        """What serving ``version`` of ``alias`` would look like (not loaded by this call)."""
+        current = self.get(alias)
+        return replace(current, adapter=f"{alias}@{version}" if version else None,
+                       adapter_path=path if version else None, version=version, in_flight=0)
 
-        The adapter is loaded under a new engine name, ``alias@N``: ``version`` (an
-        ``adapter_versions`` number) when given, else one more than the current version.
+    async def load(self, candidate: ServedModel) -> None:
+        """Load ``candidate``'s adapter, confirm the engine lists it, and check it answers (one token)."""
+        if candidate.adapter is None:
+            return
+        assert candidate.adapter_path is not None
+        engine = candidate.engine
+        if candidate.adapter not in await engine.adapters():
+            await engine.load_adapter(candidate.adapter, candidate.adapter_path)
+        listed = await engine.adapters()
+        if candidate.adapter not in listed:
+            raise SwapError(f"the engine did not list {candidate.adapter} after loading it (it lists {listed})")
+        try:
+            await engine.chat({"model": candidate.adapter, "messages": [{"role": "user", "content": "ping"}],
+                               "max_tokens": 1, "temperature": 0})
+        except OpenAIError as exc:
+            raise SwapError(f"{candidate.adapter} was loaded but does not answer: {exc.message}") from None
+
+    async def switch(self, alias: str, version: int, path: str | None, *,
+                     drain_timeout_s: float = 30.0) -> ServedModel:
+        """Serve ``alias`` from ``version`` (0: the base model): load and check it, swap, drain and unload the old.
+
+        When the version is the alias's canary, its loaded adapter is taken over as it is.
         """
-        async with self._switch_lock:
+        async with self._locks[alias]:
             old = self.get(alias)
-            version = version if version is not None else old.version + 1
-            new_adapter = f"{alias}@{version}" if adapter_path else None
-            if new_adapter is not None and new_adapter == old.adapter:
-                return old  # already served
-            if adapter_path and new_adapter:
-                await old.engine.load_adapter(new_adapter, adapter_path)
-            new = replace(old, adapter=new_adapter, adapter_path=adapter_path, version=version, in_flight=0)
+            if old.version == version:
+                return old
+            canary = self.canaries.get(alias)
+            if canary is not None and canary.served.version == version:
+                new = canary.served
+                del self.canaries[alias]
+            else:
+                new = self.version_model(alias, version, path)
+                await self.load(new)
             self._served[alias] = new
-            log.info("alias %s now served by %s", alias, new.engine_model)
-        if old.adapter:
-            await _drain(old, drain_timeout_s)
-            await old.engine.unload_adapter(old.adapter)
+            log.info("alias %s now served by %s (version %d)", alias, new.engine_model, version)
+        await self.retire(old)
         return new
 
+    async def start_canary(self, split: CanarySplit) -> None:
+        """Load the candidate and route a share of new conversations to it."""
+        async with self._locks[split.served.alias]:
+            await self.load(split.served)
+            self.canaries[split.served.alias] = split
+        log.info("canary: %.0f%% of %s's new conversations go to %s", split.fraction * 100, split.served.alias,
+                 split.served.engine_model)
 
-async def _drain(served: ServedModel, timeout_s: float) -> None:
-    """Wait for requests still using ``served`` to finish (bounded)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while served.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
+    async def stop_canary(self, alias: str, *, drain_timeout_s: float = 30.0) -> None:
+        """Stop routing to the candidate (rejected), then unload it once its requests have drained."""
+        async with self._locks[alias]:
+            split = self.canaries.pop(alias, None)
+        if split is not None:
+            await self.retire(split.served, drain_timeout_s)
+
+    async def retire(self, served: ServedModel, drain_timeout_s: float = 30.0) -> None:
+        """Unload ``served``'s adapter after its in-flight requests finished (bounded wait)."""
+        if served.adapter is None:
+            return
+        deadline = asyncio.get_running_loop().time() + drain_timeout_s
+        while served.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        if served.in_flight > 0:
+            log.warning("%s still had %d requests in flight after %.0f s; unloading it anyway", served.adapter,
+                        served.in_flight, drain_timeout_s)
+        await served.engine.unload_adapter(served.adapter)

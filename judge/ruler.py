@@ -146,6 +146,7 @@ class RulerResult(BaseModel):
 class JudgeConfig(BaseModel):
     """The ``[judge]`` config section (the gateway embeds it); see ``docs/judge.md``."""
 
+    enabled: bool = True  # false: no judge calls; groups are scored from client feedback alone
     model: str = "openai/o3"  # any litellm model string; the gateway's own alias via hosted_vllm/ + api_base
     api_base: str | None = None  # OpenAI-style base URL including /v1 (local vLLM, the gateway itself)
     api_key: SecretStr | None = None  # None: litellm reads the provider's usual env var

@@ -83,16 +83,29 @@ async def score_group(engine: Engine, group: Group, config: JudgeConfig, policy:
     """Judge one group and store its final rewards; False when the judge failed."""
     trajectories, feedback, task = await asyncio.to_thread(group_for_judge, engine, group)
     rubric = resolve_rubric(config.rubrics, group.alias, task)
-    scored = await ruler_score_group(trajectories, config.model, rubric=rubric, swallow_exceptions=True,
-                                     cache=cache, semaphore=semaphore, **config.call_kwargs())
+    judge_model: str | None = config.model
+    scored: TrajectoryGroup | None = None
+    if config.enabled:
+        scored = await ruler_score_group(trajectories, config.model, rubric=rubric, swallow_exceptions=True,
+                                         cache=cache, semaphore=semaphore, **config.call_kwargs())
+    if scored is None and feedback_decides(policy, trajectories, feedback):
+        scored, judge_model = trajectories, None  # no judge (off or failing), but every member has its reward
+        log.info("group %s scored from client feedback alone (judge %s)", group.id,
+                 "off" if not config.enabled else "failed")
     if scored is None:
         return False
     final = apply_rewards(scored, feedback, policy)
-    await asyncio.to_thread(_store_rewards, engine, group.id, final, config.model, rubric_hash(rubric))
+    await asyncio.to_thread(_store_rewards, engine, group.id, final, judge_model, rubric_hash(rubric))
     return True
 
 
-def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str, rubric: str) -> None:
+def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dict[str, float]) -> bool:
+    """Under ``feedback_overrides``, a group whose every member has feedback can be scored without a judge."""
+    return policy.policy == "feedback_overrides" and all(t.id in feedback for t in group.trajectories)
+
+
+def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str | None,
+                   rubric: str) -> None:
     with Session(engine) as session:
         for trajectory in group.trajectories:
             source = trajectory.metadata.get("reward_source")

@@ -26,7 +26,14 @@ class GatewayProcess:
     running: ClassVar[set[GatewayProcess]] = set()
 
     def __init__(self, tmp: Path, config_toml: str, *, name: str = "gateway") -> None:
-        """``config_toml`` is the TOML body; ``data_dir`` and ``log_level`` are set here."""
+        """``config_toml`` is the TOML body; ``data_dir`` and ``log_level`` are set here.
+
+        Without a ``[loop]`` table of its own the loop is off: most tests run its jobs by hand
+        (the admin API, the CLI) and a scheduler acting meanwhile would race them; the loop's
+        own tests configure it.
+        """
+        if "[loop" not in config_toml:
+            config_toml += "\n[loop]\nenabled = false\n"
         self.port = free_port()
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)

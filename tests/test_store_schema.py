@@ -8,7 +8,7 @@ import duckdb
 import pytest
 
 from capture.assembler import StreamAssembler
-from capture.models import SCHEMA_VERSION
+from capture.models import SCHEMA_VERSION, AdapterVersion, JobRun, SchemaMeta
 from capture.store import SchemaError, Store
 
 
@@ -72,3 +72,31 @@ def test_stream_reassembly_joins_tool_call_fragments_by_index() -> None:
     assert response["choices"][0]["finish_reason"] == "tool_calls"
     assert response["choices"][0]["token_ids"] == list(range(7))
     assert response["usage"]["total_tokens"] == 10
+
+
+def test_a_version_1_store_is_migrated_to_2_and_keeps_its_rows(tmp_path: Path) -> None:
+    """The loop's migration: job_runs appears, adapter_versions gains its decision columns, rows survive."""
+    path = tmp_path / "s.duckdb"
+    Store(path).close()
+    with duckdb.connect(str(path)) as connection:  # take the file back to what schema 1 had
+        connection.execute("DROP TABLE job_runs")
+        for index in ("uq_adapter_versions_alias_version", "ix_adapter_versions_alias", "ix_adapter_versions_status"):
+            connection.execute(f"DROP INDEX {index}")  # DuckDB drops no column of an indexed table
+        for column in ("source", "previous_version", "decided_at", "reason", "gate"):
+            connection.execute(f"ALTER TABLE adapter_versions DROP COLUMN {column}")
+        connection.execute("CREATE INDEX ix_adapter_versions_alias ON adapter_versions (alias)")
+        connection.execute("CREATE INDEX ix_adapter_versions_status ON adapter_versions (status)")
+        connection.execute("INSERT INTO adapter_versions (id, alias, version, path, base_model, status, created_at) "
+                           "VALUES ('adv_1', 'agent', 1, '/a/1', 'tiny', 'promoted', now())")
+        connection.execute("UPDATE schema_meta SET value = '1' WHERE key = 'schema_version'")
+    store = Store(path)
+    try:
+        assert store.schema_version() == 2
+        with store.session() as session:
+            row = session.get(AdapterVersion, "adv_1")
+            assert row is not None and (row.version, row.status, row.source) == (1, "promoted", "trained")
+            session.add(JobRun(id="job_1", job="train", alias="agent"))
+            session.commit()
+            assert session.get(SchemaMeta, "migration:2") is not None
+    finally:
+        store.close()

@@ -189,6 +189,8 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
     ``run_id`` names a run row created earlier (status ``running``) to finish; otherwise a new
     row is added. The adapter row starts as ``candidate``: promotion is the gateway's business.
     """
+    from sqlmodel import select
+
     from capture.models import AdapterVersion, TrainingRun
     from capture.turns import new_id
 
@@ -206,9 +208,14 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
     if result.adapter_dir is not None:
         if version is None:
             version = int(Path(result.adapter_dir).name)
-        adapter = AdapterVersion(id=new_id("adv"), alias=alias, version=version, path=str(result.adapter_dir),
-                                 base_model=base_model, parent_version=parent_version, training_run_id=run.id,
-                                 status="candidate")
+        # The number was reserved before the round (the store hands out versions); fill that row in.
+        adapter = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                            AdapterVersion.version == version)).first()
+        if adapter is None:
+            adapter = AdapterVersion(id=new_id("adv"), alias=alias, version=version, path=str(result.adapter_dir),
+                                     base_model=base_model)
+        adapter.path, adapter.base_model, adapter.parent_version = str(result.adapter_dir), base_model, parent_version
+        adapter.training_run_id, adapter.status, adapter.metrics = run.id, "candidate", result.metrics
         session.add(adapter)
         run.adapter_version_id = adapter.id
     if commit:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
+from gateway.api.common import json_response, read_body
 from gateway.errors import BadRequest
+from gateway.loop.promotion import promote_version, register_adapter
 from gateway.protocol import parse_json_object, validate_request
 from gateway.routing import ServedModel
 from gateway.state import GatewayState
@@ -21,8 +22,8 @@ router = APIRouter(prefix="/flywheel/v1")
 
 
 class AdapterSwitch(BaseModel):
-    path: str | None  # a PEFT adapter directory the engine can read; null serves the base model
-    version: int | None = None  # the engine name becomes alias@version (default: the next number)
+    path: str | None = None  # a PEFT adapter directory: registered as a new version of the alias, then served
+    version: int | None = Field(default=None, ge=0)  # or a version the store has (0: the base model)
 
 
 def alias_info(served: ServedModel) -> dict[str, object]:
@@ -35,21 +36,33 @@ def alias_info(served: ServedModel) -> dict[str, object]:
 async def list_aliases(request: Request) -> Response:
     state = GatewayState.of(request)
     state.auth.admin(request)
-    return Response(orjson.dumps({"data": [alias_info(s) for s in state.router.all()]}),
-                    media_type="application/json")
+    return json_response({"data": [alias_info(s) for s in state.router.all()]})
 
 
 @router.put("/aliases/{alias}/adapter")
 async def switch_alias_adapter(alias: str, request: Request) -> Response:
-    """Load an adapter as ``alias@N``, switch the alias to it, drain and unload the previous one."""
+    """Serve an adapter directory (registered as the next version) or a stored version (0: the base model).
+
+    Like every switch it goes through the store: the version survives a restart, and the engine
+    loads it under a name no other weights ever had (``alias@N``).
+    """
     state = GatewayState.of(request)
     state.auth.admin(request)
-    body = parse_json_object(await request.body())
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     validate_request(AdapterSwitch, body)
-    path = body["path"]
+    switch = AdapterSwitch.model_validate(body)
     state.router.get(alias)
-    if path is not None and not (Path(path) / "adapter_config.json").is_file():
-        raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {path} (adapter_config.json missing)",
-                         param="path")
-    served = await state.router.switch_adapter(alias, path, version=body.get("version"))
-    return Response(orjson.dumps(alias_info(served)), media_type="application/json")
+    if switch.path is not None:
+        if not (Path(switch.path) / "adapter_config.json").is_file():
+            raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {switch.path} "
+                             "(adapter_config.json missing)", param="path")
+        version = (await register_adapter(state, alias, switch.path, source="manual"))["version"]
+    elif switch.version is not None:
+        version = switch.version
+    elif "path" in body:  # {"path": null}: back to the base model
+        version = 0
+    else:
+        raise BadRequest("Give 'path' (an adapter directory, or null for the base model) or 'version'.",
+                         param="path", code="missing_required_parameter")
+    served = await promote_version(state, alias, version, reason="switched through the admin API")
+    return json_response(alias_info(served))

@@ -24,10 +24,11 @@ from capture.turns import CapturedExchange
 from gateway.api.common import read_body
 from gateway.engines.base import Body, Chunk
 from gateway.errors import OpenAIError, UpstreamError
+from gateway.loop.canary import CanarySplit
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
 from gateway.routing import ServedModel
 from gateway.state import GatewayState
-from gateway.store.capture_plan import CapturePlan, plan_capture
+from gateway.store.capture_plan import CapturePlan, flywheel_headers, plan_capture
 from gateway.store.link import StoreLink
 
 log = logging.getLogger("flywheel.api")
@@ -144,6 +145,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         validate_request(ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest, body)
         served = state.router.resolve(body["model"])
         alias = served.alias
+        canary = state.router.canaries.get(alias) if endpoint is Endpoint.CHAT else None
+        if canary is not None:
+            trajectory_id = flywheel_headers(request).get("trajectory-id") or (body.get("metadata") or {}).get(
+                "trajectory_id")
+            on_candidate, _ = canary.assign(body["messages"], trajectory_id)
+            served = canary.served if on_candidate else served
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
@@ -153,7 +160,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             asks = replace(asks, choices=client_n)
             to_engine["n"] = client_n + plan.fork_k
         if body.get("stream"):
-            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan)
+            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary)
         served.in_flight += 1
         try:
             if endpoint is Endpoint.CHAT:
@@ -166,6 +173,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         state.metrics.requests.labels(endpoint.value, alias, str(exc.status_code)).inc()
         raise
     state.metrics.count_usage(alias, result.get("usage"))
+    if canary is not None:
+        remember_answers(canary, result, served is canary.served)
     content = orjson.dumps(shape_for_client(result, asks, body["model"]))
     state.metrics.requests.labels(endpoint.value, alias, "200").inc()
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
@@ -194,7 +203,8 @@ class RecordedResponse(Response):
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
-                  asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None) -> Response:
+                  asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None,
+                  canary: CanarySplit | None) -> Response:
     """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
     if endpoint is Endpoint.CHAT:
         chunks = served.engine.chat_stream(to_engine)
@@ -211,16 +221,16 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         await chunks.aclose()  # type: ignore[attr-defined]
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
-    events = _sse_events(state, served, endpoint, first, chunks, asks, body, started, plan)
+    events = _sse_events(state, served, endpoint, first, chunks, asks, body, started, plan, canary)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
                       chunks: AsyncIterator[Chunk], asks: ClientAsks, body: Body, started: float,
-                      plan: CapturePlan | None) -> AsyncIterator[bytes]:
+                      plan: CapturePlan | None, canary: CanarySplit | None) -> AsyncIterator[bytes]:
     """OpenAI's SSE framing; a failure mid-stream becomes an error event, then ``[DONE]``."""
     status = "200"
-    assembler = StreamAssembler(endpoint.value) if plan is not None else None
+    assembler = StreamAssembler(endpoint.value) if plan is not None or canary is not None else None
     try:
         chunk: Chunk | None = first
         while chunk is not None:
@@ -249,8 +259,18 @@ async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoi
         state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
         state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     yield _DONE
-    if assembler is not None and plan is not None and status == "200":
-        state.store_link.submit(plan.exchange(body, assembler.response()))  # after the last byte went out
+    if assembler is not None and status == "200":  # after the last byte went out
+        response = assembler.response()
+        if canary is not None:
+            remember_answers(canary, response, served is canary.served)
+        if plan is not None:
+            state.store_link.submit(plan.exchange(body, response))
+
+
+def remember_answers(canary: CanarySplit, response: Body, on_candidate: bool) -> None:
+    """Every choice the client may continue with keeps its conversation on this arm."""
+    for choice in response.get("choices") or []:
+        canary.remember(choice.get("message"), on_candidate)
 
 
 def _shape_chunk(chunk: Chunk, asks: ClientAsks, requested_model: str) -> Chunk | None:

@@ -10,25 +10,22 @@ client has said how it went. ``POST /flywheel/v1/jobs/groups`` and
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
-from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, model_validator
-from sqlmodel import Session, col, select
+from sqlmodel import col, select
 from starlette.responses import Response
 
-from capture.groups import GroupingRules, form_groups
 from capture.models import Feedback, Trajectory, Turn
 from capture.store import Store
 from capture.turns import new_id
-from gateway.config import GroupsConfig
+from gateway.api.common import json_response
 from gateway.errors import BadRequest, NotFound
+from gateway.loop import store_ops
 from gateway.protocol import parse_json_object, validate_request
 from gateway.store.state import StoreState
 from judge.rewards import InvalidFeedbackError, feedback_reward
-from judge.scoring import score_pending
 
 router = APIRouter(prefix="/flywheel/v1")
 
@@ -93,26 +90,13 @@ async def post_feedback(request: Request) -> Response:
                                   "reward": reward}), media_type="application/json")
 
 
-def grouping_rules(config: GroupsConfig) -> GroupingRules:
-    return GroupingRules(min_size=config.min_size, max_size=config.max_size, task_window_s=config.task_window_s,
-                         cohorts=config.cohorts)
-
-
-def run_group_formation(store: Store, config: GroupsConfig) -> list[dict[str, Any]]:
-    """Form the groups the store allows now; the new groups as dicts."""
-    with Session(store.engine, expire_on_commit=False) as session:
-        groups = form_groups(session, grouping_rules(config))
-        session.commit()
-    return [{"id": g.id, "source": g.source, "key": g.key, "alias": g.alias, "size": g.size} for g in groups]
-
-
 @router.post("/jobs/groups")
 async def form_groups_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)
     await state.caught_up(request)
-    formed = await asyncio.to_thread(run_group_formation, state.store, state.settings.groups)
-    return Response(orjson.dumps({"formed": formed}), media_type="application/json")
+    formed = await asyncio.to_thread(store_ops.run_group_formation, state.store, state.settings)
+    return json_response(formed)
 
 
 @router.post("/jobs/score")
@@ -120,5 +104,4 @@ async def score_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)
     alias = request.query_params.get("alias")
-    summary = await score_pending(state.store.engine, state.settings.judge, state.settings.rewards, alias=alias)
-    return Response(orjson.dumps(asdict(summary)), media_type="application/json")
+    return json_response(await store_ops.score(state.store, state.settings, alias=alias))

@@ -1,60 +1,110 @@
-"""Admin API for a trainer in another process: fetch a batch, report a round (``flywheel train`` uses it)."""
+"""Admin API for a trainer in another process (``flywheel train``, the loop's training child, a worker).
+
+    GET  /flywheel/v1/training/batch?alias=A&max_groups=N[&group_ids=g1,g2]  scored groups, base weights,
+                                                                            the version serving now
+    POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
+    POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
+    POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
+"""
 
 from __future__ import annotations
 
-import orjson
+from dataclasses import asdict
+from typing import TypeVar
+
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from gateway.api.admin import alias_info
+from gateway.api.common import json_response, read_body
 from gateway.errors import BadRequest
-from gateway.loop.training import base_model_path
+from gateway.loop.promotion import promote_version
+from gateway.loop.training import base_model_path, grpo_args
 from gateway.protocol import parse_json_object, validate_request
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/flywheel/v1/training")
 
 
-@router.get("/batch")
-async def get_batch(request: Request) -> Response:
-    """Scored, untrained groups of an alias, with the base weights and the adapter it serves now."""
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def _admin_body(request: Request, model: type[Body]) -> tuple[GatewayState, Body]:
     state = GatewayState.of(request)
     state.auth.admin(request)
-    alias = request.query_params.get("alias") or ""
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    validate_request(model, body)
+    return state, model.model_validate(body)
+
+
+@router.get("/batch")
+async def get_batch(request: Request) -> Response:
+    """Scored, untrained groups of an alias, with the base weights and the version it serves now."""
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    params = request.query_params
+    alias = params.get("alias") or ""
     served = state.router.get(alias)
+    raw = params.get("max_groups") or str(state.settings.train.max_groups)
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
     try:
-        max_groups = int(request.query_params.get("max_groups") or state.settings.train.max_groups)
         base = base_model_path(state.settings, alias)
     except ValueError as exc:
-        raise BadRequest(f"Invalid training request: {exc}", param="max_groups" if "int" in str(exc) else "alias"
-                         ) from None
-    groups = await state.store_link.call("GET", "/internal/training/batch",
-                                         params={"alias": alias, "max_groups": str(max_groups)})
+        raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
+    args = asdict(grpo_args(state.settings, base))
+    group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
+    groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
     current = {"version": served.version, "path": served.adapter_path} if served.adapter_path else None
-    body = {"alias": alias, "base_model": base, "current": current, "groups": groups}
-    return Response(orjson.dumps(body), media_type="application/json")
+    return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
+
+
+class VersionRequest(BaseModel):
+    alias: str
+
+
+@router.post("/versions")
+async def reserve_version(request: Request) -> Response:
+    """The next version number of an alias and the directory to write it into (status ``training``)."""
+    state, body = await _admin_body(request, VersionRequest)
+    served = state.router.get(body.alias)
+    row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
+                                    parent_version=served.version or None)
+    return json_response(row)
 
 
 class RoundReport(BaseModel):
     alias: str
-    version: int
+    version: int = Field(ge=1)
     parent_version: int | None = None
     promote: bool = False
     result: dict[str, object]
+    batch_group_ids: list[str] = Field(default_factory=list)  # every group the round was given
 
 
 @router.post("/rounds")
 async def post_round(request: Request) -> Response:
-    """Record a finished round; with ``promote``, hot-load its adapter as ``alias@version``."""
-    state = GatewayState.of(request)
-    state.auth.admin(request)
-    body = parse_json_object(await request.body())
-    validate_request(RoundReport, body)
-    report = RoundReport.model_validate(body)
+    """Record a finished round (the version becomes a candidate); with ``promote``, serve it at once."""
+    state, report = await _admin_body(request, RoundReport)
     served = state.router.get(report.alias)
-    adapter = await state.store_link.call("POST", "/internal/training/rounds", json=report.model_dump(mode="json"))
+    adapter = await state.store_link.op("record_round", **report.model_dump(mode="json", exclude={"promote"}),
+                                        promote=False)  # the store would promote without the engine: see below
     if report.promote and adapter is not None:
-        served = await state.router.switch_adapter(report.alias, adapter["path"], version=adapter["version"])
-    out = {"adapter_version": adapter, "served": alias_info(served)}
-    return Response(orjson.dumps(out), media_type="application/json")
+        served = await promote_version(state, report.alias, report.version, reason="promoted by hand (--promote)")
+    return json_response({"adapter_version": adapter, "served": alias_info(served)})
+
+
+class FailureReport(BaseModel):
+    alias: str
+    version: int = Field(ge=1)
+    error: str = Field(max_length=100_000)
+    group_ids: list[str] = Field(default_factory=list)
+
+
+@router.post("/failures")
+async def post_failure(request: Request) -> Response:
+    """A round that raised: its run is recorded failed, its groups stay for the next round."""
+    state, report = await _admin_body(request, FailureReport)
+    state.router.get(report.alias)
+    return json_response(await state.store_link.op("record_failed_round", **report.model_dump(mode="json")))

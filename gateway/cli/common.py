@@ -3,9 +3,10 @@
 Where a command's data comes from (DuckDB lets one process open the file):
 
 - ``--gateway URL``: the running gateway's admin API, nothing else.
-- ``--database``/``--data-dir``: that store file, opened directly (the gateway must not run).
-- neither: the gateway at the configuration's host and port when it answers ``/healthz``,
-  otherwise the configuration's store file.
+- ``--database``: that store file, opened directly (no gateway may hold it).
+- otherwise the gateway of the data directory (``--data-dir``, else the configuration's): the
+  one it announced in ``gateway.json`` (``gateway/discovery.py``), or the configuration's host and
+  port, when it answers ``/healthz``; when none answers, the data directory's store file.
 
 The admin key is ``--admin-key``, else ``FLYWHEEL_ADMIN_KEY``, else the configuration's.
 """
@@ -22,6 +23,7 @@ import typer
 from pydantic import ValidationError
 
 from gateway.config import Settings, load_settings
+from gateway.discovery import announced_url, local_url
 
 if TYPE_CHECKING:
     from capture.store import Store
@@ -34,7 +36,7 @@ AdminKeyOption = Annotated[str | None, typer.Option(
     "--admin-key", help="Admin key for the gateway (default: $FLYWHEEL_ADMIN_KEY, then the config's).",
     show_default=False)]
 DataDirOption = Annotated[Path | None, typer.Option(
-    "--data-dir", help="Data directory whose store file to open directly (no gateway).")]
+    "--data-dir", help="Data directory: its running gateway, else its store file (default: the config's).")]
 DatabaseOption = Annotated[str | None, typer.Option(
     "--database", help="Store file (or URL) to open directly (no gateway).")]
 AliasOption = Annotated[str | None, typer.Option("--alias", help="Only this model alias.")]
@@ -96,20 +98,21 @@ class Location:
 
 
 def locate(target: Target) -> Location:
-    """The gateway's admin API when it answers, otherwise the store file (see the module docstring)."""
+    """The running gateway's admin API when one answers, otherwise the store file (see the module docstring)."""
     if target.gateway and (target.database or target.data_dir):
-        fail("--gateway reads through a running gateway; --database/--data-dir open a file: choose one")
+        fail("--gateway reads through a running gateway; --database/--data-dir name a store: choose one")
     settings = settings_or_exit(target.config, data_dir=target.data_dir)
-    if not (target.database or target.data_dir):
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-        url = target.gateway or f"http://{host}:{settings.port}"
-        if _answers(url):
-            admin = settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None
-            return Location(settings, url=url, admin_key=target.admin_key or os.environ.get("FLYWHEEL_ADMIN_KEY")
-                            or admin)
-        if target.gateway:
-            fail(f"no gateway answers at {url}")
-    return Location(settings, database=target.database or settings.database)
+    if target.database:
+        return Location(settings, database=target.database)
+    # An explicit --data-dir trusts only the gateway announced in it, not whatever answers at the config's port.
+    url = target.gateway or announced_url(settings.data_dir) or (None if target.data_dir else local_url(settings))
+    if url is not None and _answers(url):
+        admin = settings.auth.admin_key.get_secret_value() if settings.auth.admin_key else None
+        return Location(settings, url=url, admin_key=target.admin_key or os.environ.get("FLYWHEEL_ADMIN_KEY")
+                        or admin)
+    if target.gateway:
+        fail(f"no gateway answers at {url}")
+    return Location(settings, database=settings.database)
 
 
 def _answers(url: str) -> bool:

@@ -36,7 +36,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
 
     Example: flywheel groups
     """
-    from gateway.api.feedback import run_group_formation
+    from gateway.loop.store_ops import run_group_formation
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
@@ -44,7 +44,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
     else:
         store = open_store(location.database or location.settings.database)
         try:
-            formed = run_group_formation(store, location.settings.groups)
+            formed = run_group_formation(store, location.settings)["formed"]
         finally:
             store.close()
     by_source: dict[str, int] = {}
@@ -97,83 +97,63 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
           config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
           data_dir: DataDirOption = None, database: DatabaseOption = None,
           max_groups: Annotated[int | None, typer.Option(help="Train on at most this many groups.")] = None,
+          group_ids: Annotated[str | None, typer.Option(
+              help="Train on these scored groups only (comma-separated ids).")] = None,
           promote: Annotated[bool, typer.Option(help="Serve the new adapter at once (no evaluation gate).")] = False,
+          threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+          json_: Annotated[bool, typer.Option("--json", help="End with one JSON line: status, version, metrics.")
+                           ] = False,
           set_: Annotated[list[str] | None, typer.Option(
               "--set", help="A GRPOArgs field for this round, e.g. --set max_steps=8 (repeatable).")] = None,
           ) -> None:
-    """Run one GRPO round on the alias's scored groups and write adapter version N.
+    """Run one GRPO round on the alias's scored groups and write adapter version N (a candidate for the gate).
 
     Example: flywheel train --alias my-agent --max-groups 32 --promote
     """
-    from capture.batches import TrainingGroup
-    from gateway.loop.training import (
-        base_model_path,
-        grpo_args,
-        promoted_version,
-        record_training,
-        round_to_json,
-        training_batch,
-    )
-    from trainer import adapters
+    from gateway.loop.rounds import AdminApi, RoundError, StoreFile, Where, run_round
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings
-    if alias not in settings.aliases:
+    if location.url is None and alias not in settings.aliases:  # a gateway checks the alias itself
         fail(f"--alias: no alias named {alias!r} in the configuration")
-    limit = max_groups or settings.train.max_groups
     overrides = _field_values(set_ or [])
-    if location.url is not None:
-        batch = admin_call(location, "GET", "/flywheel/v1/training/batch",
-                           {"alias": alias, "max_groups": str(limit)})
-        groups = [TrainingGroup.from_json(g) for g in batch["groups"]]
-        base, current = batch["base_model"], batch["current"]
-    else:
-        store = open_store(location.database or settings.database)
-        try:
-            groups = training_batch(store, alias, limit)
-            promoted = promoted_version(store, alias)
-        finally:
-            store.close()
-        try:
-            base = base_model_path(settings, alias)
-        except ValueError as exc:
-            fail(str(exc))
-        current = {"version": promoted.version, "path": promoted.path} if promoted else None
-    if not groups:
-        typer.echo(f"nothing to train: no scored groups for {alias} (run flywheel groups and flywheel score)")
-        return
-    try:
-        args = grpo_args(settings, base, overrides)
-    except TypeError as exc:
-        fail(f"--set: {exc}")
-    version, out_dir = adapters.reserve_version(settings.data_dir, alias)
-    init = current["path"] if current else None
-    typer.echo(f"training {alias} on {len(groups)} groups from {init or 'a fresh LoRA'} -> version {version}",
-               err=True)
-    from trainer.grpo import train_round
+    if threads:
+        import torch
 
-    result = train_round(base, groups, args, init_adapter=init, out_dir=out_dir,
-                         optimizer_state=adapters.optimizer_state_of(init))
-    if result.status != "finished":
-        adapters.discard(out_dir)
-        typer.echo(f"skipped: nothing trainable ({result.skipped})")
-        return
-    parent = current["version"] if current else None
+        torch.set_num_threads(threads)
+    store = None
+    where: Where
     if location.url is not None:
-        report = {"alias": alias, "version": version, "parent_version": parent, "promote": promote,
-                  "result": round_to_json(result)}
-        admin_call(location, "POST", "/flywheel/v1/training/rounds", json_body=report)
+        where = AdminApi(location.url, location.admin_key)
     else:
         store = open_store(location.database or settings.database)
-        try:
-            record_training(store, alias, result, version=version, parent_version=parent, promote=promote)
-        finally:
+        where = StoreFile(store, settings)
+    try:
+        outcome = run_round(where, alias, max_groups=max_groups or settings.train.max_groups,
+                            overrides=overrides, promote=promote,
+                            group_ids=[g for g in group_ids.split(",") if g] if group_ids else None)
+    except (RoundError, TypeError, ValueError) as exc:  # TypeError: an unknown --set field
+        fail(str(exc))
+    finally:
+        if store is not None:
             store.close()
-    metrics = result.metrics
-    typer.echo(f"version {version} written to {result.adapter_dir}: {len(result.group_ids)} groups, "
-               f"loss {metrics.get('losses/loss', float('nan')):.4f}, "
-               f"reward mean {metrics.get('reward/mean', float('nan')):.3f}"
-               + (", promoted" if promote else ", candidate"))
+    if outcome.status == "nothing":
+        typer.echo(f"nothing to train: no scored groups for {alias} (run flywheel groups and flywheel score)")
+    elif outcome.status != "finished":
+        typer.echo(f"version {outcome.version} skipped: nothing trainable ({outcome.result.skipped})")
+    else:
+        metrics = outcome.result.metrics
+        typer.echo(f"version {outcome.version} written to {outcome.result.adapter_dir}: "
+                   f"{len(outcome.result.group_ids)} groups, loss {metrics.get('losses/loss', float('nan')):.4f}, "
+                   f"reward mean {metrics.get('reward/mean', float('nan')):.3f}"
+                   + (", promoted" if promote else ", candidate"))
+    if json_:
+        import json
+
+        result = outcome.result
+        typer.echo(json.dumps({"status": outcome.status, "version": outcome.version, "groups": outcome.groups,
+                               "adapter_path": str(result.adapter_dir) if result and result.adapter_dir else None,
+                               "metrics": result.metrics if result else {}}))
 
 
 def _field_values(pairs: list[str]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli import jobs
+from gateway.cli import jobs, loop
 from gateway.cli.common import ConfigOption, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
 
@@ -27,6 +27,10 @@ app.add_typer(trajectories_app, name="trajectories")
 app.command("groups")(jobs.groups)
 app.command("score")(jobs.score)
 app.command("train")(jobs.train)
+app.command("status")(loop.status)
+app.command("versions")(loop.versions)
+app.command("promote")(loop.promote)
+app.command("rollback")(loop.rollback)
 
 @app.command()
 def serve(config: ConfigOption = None,

@@ -53,5 +53,8 @@ class Engine(Protocol):
     async def unload_adapter(self, name: str) -> None:
         """Forget the adapter loaded under ``name``."""
 
+    async def adapters(self) -> list[str]:
+        """Names of the adapters loaded now, as the engine itself reports them (a switch confirms with it)."""
+
     async def health(self) -> Body:
         """A small dict describing readiness; raises ``UpstreamError`` when not ready."""

@@ -787,6 +787,10 @@ class LocalEngine:
         await self._call(lambda runtime: runtime.unload_adapter(name))
         self._adapters.pop(name, None)
 
+    async def adapters(self) -> list[str]:
+        names: list[str] = await self._call(lambda runtime: sorted(runtime.adapters))  # the worker's own view
+        return names
+
     async def health(self) -> Body:
         runtime, _ = self._ready()
         return {"engine": "local", "model": self.config.model, "path": str(runtime.path),

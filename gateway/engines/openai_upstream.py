@@ -82,6 +82,22 @@ class OpenAIUpstreamEngine:
     async def unload_adapter(self, name: str) -> None:
         await self._post_json("/unload_lora_adapter", {"lora_name": name}, expect_json=False)
 
+    async def adapters(self) -> list[str]:
+        """vLLM lists each loaded LoRA in ``GET /v1/models`` (its ``parent`` is the base model)."""
+        try:
+            async with self.session.get(self.base_url + "/models") as response:
+                content, status = await response.read(), response.status
+        except TimeoutError:
+            raise _timeout(self.config) from None
+        except aiohttp.ClientError as exc:
+            raise _unreachable(self.config, exc) from None
+        if status >= 400:
+            raise upstream_failure(status, content)
+        try:
+            return [str(model["id"]) for model in orjson.loads(content)["data"]]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise UpstreamError("upstream /models answered something that is not a model list") from None
+
     async def health(self) -> Body:
         try:
             async with self.session.get(self.base_url + "/models",

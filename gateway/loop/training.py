@@ -6,7 +6,8 @@ hot-loads the new adapter. ``flywheel train`` runs a round in its own process �
 the running gateway's admin API (``/flywheel/v1/training/...``) or on the store file when
 no gateway runs — so the serving process never holds torch's training memory.
 
-Promotion here is by hand (``--promote``); the evaluation gate is the loop's job.
+Promotion here is by hand (``--promote``); otherwise the new version is a candidate and the
+loop's gate decides (docs/loop.md).
 """
 
 from __future__ import annotations
@@ -24,24 +25,20 @@ from capture.groups import training_group
 from capture.models import AdapterVersion, Group, utcnow
 from capture.store import Store
 from gateway.config import TINY_MODEL, LocalEngineConfig, Settings
+from gateway.loop import versions
 
 log = logging.getLogger("flywheel.training")
 
 
-def training_batch(store: Store, alias: str, max_groups: int) -> list[TrainingGroup]:
-    """Scored groups of ``alias`` not trained on yet, oldest first."""
+def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[str] | None = None
+                   ) -> list[TrainingGroup]:
+    """Scored groups of ``alias`` not trained on yet, oldest first (only ``group_ids`` when given)."""
     with store.session() as session:
-        groups = session.exec(select(Group).where(Group.alias == alias, Group.status == "scored")
-                              .order_by(col(Group.created_at)).limit(max_groups)).all()
+        query = select(Group).where(Group.alias == alias, Group.status == "scored")
+        if group_ids is not None:
+            query = query.where(col(Group.id).in_(group_ids))
+        groups = session.exec(query.order_by(col(Group.created_at)).limit(max_groups)).all()
         return [training_group(session, group) for group in groups]
-
-
-def promoted_version(store: Store, alias: str) -> AdapterVersion | None:
-    """The adapter version an alias serves after a restart: its latest promoted one."""
-    with store.session() as session:
-        return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                         AdapterVersion.status == "promoted")
-                            .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
 
 
 def base_model_path(settings: Settings, alias: str) -> str:
@@ -92,23 +89,45 @@ def round_from_json(data: dict[str, Any]) -> Any:
 
 
 def record_training(store: Store, alias: str, result: Any, *, version: int, parent_version: int | None,
-                    promote: bool) -> AdapterVersion | None:
-    """Store the round (run row, adapter row), mark its groups trained, and mark it promoted if asked."""
+                    promote: bool, batch_group_ids: list[str]) -> AdapterVersion | None:
+    """Store the round (run row; the reserved version becomes a candidate), settle its batch, promote if asked.
+
+    Every group of the batch is settled: ``trained`` when the round used it, ``untrainable`` when the
+    trainer skipped it (equal rewards, wrong size, too long) — so no group is trained twice and none
+    is fetched again forever. A skipped round (nothing trainable) fails its reserved version.
+    """
     from trainer.adapters import record_round
 
     with Session(store.engine, expire_on_commit=False) as session:
         _, adapter = record_round(session, result, alias=alias, base_model=result.base_model, version=version,
                                   parent_version=parent_version, commit=False)
-        for group_id in result.group_ids:
+        trained = set(result.group_ids)
+        for group_id in set(batch_group_ids) | trained:
             group = session.get(Group, group_id)
-            if group is not None:
-                group.status = "trained"
+            if group is not None and group.status == "scored":
+                group.status = "trained" if group_id in trained else "untrainable"
                 session.add(group)
-        if promote and adapter is not None:
-            for previous in session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                                      AdapterVersion.status == "promoted")):
-                previous.status = "retired"
-                session.add(previous)
-            adapter.status, adapter.promoted_at = "promoted", utcnow()
+        if adapter is None:  # skipped: the number stays used, never reassigned
+            reserved = versions.get(session, alias, version)
+            reserved.status, reserved.decided_at = "failed", utcnow()
+            reserved.reason = f"nothing trainable: {result.skipped}"
+            session.add(reserved)
         session.commit()
+        if promote and adapter is not None:
+            versions.promote(session, alias, version, reason="promoted by hand (--promote)")
         return adapter
+
+
+def record_failed_round(store: Store, alias: str, version: int, error: str, group_ids: list[str]) -> AdapterVersion:
+    """A round that raised or whose process died: the run row and the reserved version say so; its groups
+    stay ``scored`` and the next round takes them again."""
+    from trainer.adapters import record_failure
+
+    with Session(store.engine, expire_on_commit=False) as session:
+        record_failure(session, alias=alias, error=error, group_ids=group_ids, commit=False)
+        row = versions.get(session, alias, version)
+        if row.status == "training":
+            row.status, row.reason, row.decided_at = "failed", error[-2000:], utcnow()
+            session.add(row)
+        session.commit()
+        return row

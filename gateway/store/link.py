@@ -40,6 +40,7 @@ from gateway.errors import OpenAIError, UpstreamError
 log = logging.getLogger("flywheel.store_link")
 
 INGEST_SEQ_HEADER = "x-flywheel-ingest-seq"  # exchanges the gateway had streamed when it forwarded a request
+CLIENT_HOST_HEADER = "x-flywheel-client-host"  # the forwarded request's client address
 
 # Headers that describe one hop of a connection, not the request: never forwarded.
 _HOP_BY_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -227,12 +228,19 @@ class StoreLink:
             raise _error_from(response.status, body)
         return orjson.loads(body)
 
+    async def op(self, name: str, **kwargs: Any) -> Any:
+        """Run one of the loop's store operations (``gateway/loop/store_ops.py``) in the store process."""
+        return await self.call("POST", f"/internal/ops/{name}", json=kwargs)
+
     async def forward(self, request: Request, body: bytes) -> Response:
         """Send a client's request (its ``body`` already read) to the store process as it came; stream the
         answer back."""
         self._flush()  # what this client was just answered is on the stream before its request is
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
         headers[INGEST_SEQ_HEADER] = str(self.sent)
+        # The store process sees a Unix socket, not the client: it learns the address from us (and only us: a
+        # client's own header of this name is overwritten here), so loopback-only admin routes work there too.
+        headers[CLIENT_HOST_HEADER] = request.client.host if request.client else ""
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         query = request.scope.get("query_string") or b""
         url = URL("http://store" + raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),

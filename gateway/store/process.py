@@ -29,21 +29,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from capture.recorder import Recorder, Spool
 from capture.store import Store
-from gateway.api import feedback
 from gateway.api.common import json_response
 from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
-from gateway.loop.training import promoted_version, record_training, round_from_json, training_batch
+from gateway.errors import BadRequest, NotFound
+from gateway.loop.store_ops import OPS, is_async
+from gateway.loop.versions import VersionError
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
-from gateway.store.link import redactor_for
+from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
 from gateway.store.routes import STORE_ROUTERS
 from gateway.store.state import StoreState
 
@@ -105,20 +106,6 @@ class IngestListener:
             await asyncio.wait(set(self.connections), timeout=timeout_s)
 
 
-def start_jobs(state: StoreState) -> AsyncIOScheduler:
-    """Background jobs: close idle trajectories, form groups from closed ones."""
-    scheduler = AsyncIOScheduler()
-    store, settings = state.store, state.settings
-    idle_s = settings.capture.idle_close_s
-    scheduler.add_job(asyncio.to_thread, "interval", args=[store.close_idle, idle_s], id="close-idle",
-                      seconds=max(1.0, min(60.0, idle_s / 4)), max_instances=1, coalesce=True)
-    scheduler.add_job(asyncio.to_thread, "interval", id="form-groups", seconds=settings.groups.form_every_s,
-                      args=[feedback.run_group_formation, store, settings.groups], max_instances=1,
-                      coalesce=True)
-    scheduler.start()
-    return scheduler
-
-
 async def exit_with_parent(parent_pid: int) -> None:
     """SIGTERM ourselves once the gateway is gone, so a killed gateway leaves no store process behind."""
     while os.getppid() == parent_pid:
@@ -143,36 +130,44 @@ async def capture_stats(request: Request) -> Response:
     return json_response(dict(StoreState.of(request).recorder.stats))
 
 
-@internal.get("/promoted")
-async def promoted(request: Request) -> Response:
-    """Each alias's latest promoted adapter: what it keeps serving after a restart."""
+@internal.post("/ops/{name}")
+async def run_op(name: str, request: Request) -> Response:
+    """One of the loop's store operations (``gateway/loop/store_ops.py``), keyword arguments as the JSON body."""
     state = StoreState.of(request)
-    out = {}
-    for alias in state.settings.aliases:
-        adapter = await asyncio.to_thread(promoted_version, state.store, alias)
-        if adapter is not None:
-            out[alias] = {"path": adapter.path, "version": adapter.version}
-    return json_response(out)
-
-
-@internal.get("/training/batch")
-async def batch(request: Request) -> Response:
-    state = StoreState.of(request)
-    alias = request.query_params.get("alias") or ""
-    max_groups = int(request.query_params.get("max_groups") or state.settings.train.max_groups)
+    if name not in OPS:
+        raise NotFound(f"no store operation named {name!r}", param="name")
+    kwargs = parse_json_object(await request.body())
     await state.caught_up(request)
-    groups = await asyncio.to_thread(training_batch, state.store, alias, max_groups)
-    return json_response([g.to_json() for g in groups])
+    try:
+        if is_async(name):
+            result = await OPS[name](state.store, state.settings, **kwargs)
+        else:
+            result = await asyncio.to_thread(OPS[name], state.store, state.settings, **kwargs)
+    except VersionError as exc:
+        raise BadRequest(str(exc), param="version") from None
+    return json_response(result)
 
 
-@internal.post("/training/rounds")
-async def rounds(request: Request) -> Response:
-    state = StoreState.of(request)
-    body = parse_json_object(await request.body())  # a RoundReport the gateway validated
-    result = round_from_json(body["result"])
-    adapter = await asyncio.to_thread(record_training, state.store, body["alias"], result, version=body["version"],
-                                      parent_version=body.get("parent_version"), promote=bool(body.get("promote")))
-    return json_response(adapter.model_dump(mode="json") if adapter is not None else None)
+class ForwardedClient:
+    """ASGI middleware: a forwarded request's client is the one the gateway saw (the socket shows none).
+
+    Only the gateway reaches this process (a Unix socket in a private directory), and it always
+    sets the header, overwriting a client's own.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == CLIENT_HOST_HEADER_BYTES:
+                    scope = {**scope, "client": (value.decode("latin-1"), 0)}
+                    break
+        await self.app(scope, receive, send)
+
+
+CLIENT_HOST_HEADER_BYTES = CLIENT_HOST_HEADER.encode()
 
 
 def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
@@ -185,7 +180,6 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
         await state.recorder.reingest()  # what an earlier run left in the spool
         ingest = IngestListener(state)
         await ingest.start(ingest_socket)
-        scheduler = start_jobs(state)
         watchdog = asyncio.create_task(exit_with_parent(os.getppid()))
         tune_gc()  # last: everything the process keeps is allocated by now
         log.info("flywheel store process ready: store=%s", settings.database)
@@ -193,7 +187,6 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
             yield
         finally:
             watchdog.cancel()
-            scheduler.shutdown(wait=False)
             await ingest.close()  # the gateway closed its end first: everything it sent is read
             await state.recorder.drain()  # nothing queued is lost
             state.store.close()
@@ -203,6 +196,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
         app.include_router(router)
     app.include_router(internal)
     install_error_handlers(app)
+    app.add_middleware(ForwardedClient)
     return app
 
 

@@ -1,0 +1,199 @@
+"""The loop's admin API: status, versions, promote, rollback, a round now, a job now.
+
+    GET  /flywheel/v1/status                              per alias: serving version, canary and its A/B
+                                                          numbers, pending work, last run of each job,
+                                                          reward per version
+    GET  /flywheel/v1/aliases/{alias}/versions            every version with training metrics and gate results
+    POST /flywheel/v1/aliases/{alias}/promote  {"version": N}
+    POST /flywheel/v1/aliases/{alias}/rollback {"version": N | null}   null: the version served before
+    POST /flywheel/v1/aliases/{alias}/train    {"promote", "group_ids", "args"}   one round now (child process)
+    POST /flywheel/v1/aliases/{alias}/candidates {"path"}             an adapter trained elsewhere, for the gate
+    POST /flywheel/v1/loop/run                 {"job", "alias"}       one loop job now
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+from starlette.responses import Response
+
+from gateway.api.admin import alias_info
+from gateway.api.common import json_response, read_body
+from gateway.errors import BadRequest, OpenAIError
+from gateway.loop.promotion import promote_version, register_adapter
+from gateway.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
+from gateway.protocol import parse_json_object, validate_request
+from gateway.state import GatewayState
+
+router = APIRouter(prefix="/flywheel/v1")
+
+
+class Conflict(OpenAIError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=409, error_type="invalid_request_error", code="conflict")
+
+
+async def _admin(request: Request) -> GatewayState:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    return state
+
+
+async def _body(request: Request, model: type[BaseModel], state: GatewayState) -> dict[str, Any]:
+    raw = await read_body(request, state.settings.max_body_bytes)
+    body = parse_json_object(raw) if raw.strip() else {}
+    validate_request(model, body)
+    return body
+
+
+@router.get("/status")
+async def status(request: Request) -> Response:
+    state = await _admin(request)
+    return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases]})
+
+
+async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
+    link = state.store_link
+    served = state.router.get(alias)
+    rows = (await link.op("serving"))[alias]
+    canary = state.router.canaries.get(alias)
+    flight = rows["in_flight"]
+    last_runs: dict[str, Any] = {}
+    for run in await link.op("job_runs", alias=alias, limit=100):
+        last_runs.setdefault(run["job"], run)
+    return {
+        "alias": alias,
+        "serving": {**alias_info(served), "row": rows["serving"]},
+        "candidate": flight,
+        "canary": {"version": canary.served.version, "fraction": canary.fraction, "started_at": canary.started_at,
+                   "ab": ((flight or {}).get("gate") or {}).get("online")} if canary else None,
+        "monitor": ((rows["serving"] or {}).get("gate") or {}).get("monitor"),
+        "pending": await link.op("pending", alias=alias),
+        "jobs": last_runs,
+        "reward_by_version": await link.op("reward_by_version", alias=alias),
+        "loop": {"enabled": state.settings.loop.enabled, "gate": state.settings.loop.gate.offline,
+                 "canary": state.settings.loop.canary.enabled, "monitor": state.settings.loop.monitor.enabled},
+    }
+
+
+@router.get("/aliases/{alias}/versions")
+async def list_versions(alias: str, request: Request) -> Response:
+    state = await _admin(request)
+    state.router.get(alias)
+    return json_response({"alias": alias, "serving": state.router.get(alias).version,
+                          "data": await state.store_link.op("versions", alias=alias)})
+
+
+class PromoteRequest(BaseModel):
+    version: int = Field(ge=0)
+
+
+@router.post("/aliases/{alias}/promote")
+async def promote(alias: str, request: Request) -> Response:
+    """Serve a stored version now (by hand: no gate). A canary running for the alias is stopped first."""
+    state = await _admin(request)
+    body = await _body(request, PromoteRequest, state)
+    state.router.get(alias)
+    await _end_canary(state, alias, unless_version=body["version"])
+    served = await promote_version(state, alias, body["version"], reason="promoted by hand")
+    return json_response(alias_info(served))
+
+
+class RollbackRequest(BaseModel):
+    version: int | None = Field(default=None, ge=0)
+
+
+@router.post("/aliases/{alias}/rollback")
+async def rollback(alias: str, request: Request) -> Response:
+    """Return to an earlier version (default: the one served before the current one)."""
+    state = await _admin(request)
+    body = await _body(request, RollbackRequest, state)
+    state.router.get(alias)
+    version = body.get("version")
+    if version is None:
+        version = await state.store_link.op("rollback_target", alias=alias)
+    await _end_canary(state, alias)
+    served = await promote_version(state, alias, version, replaced_status="rolled_back", reason="rolled back by hand")
+    return json_response(alias_info(served))
+
+
+async def _end_canary(state: GatewayState, alias: str, unless_version: int | None = None) -> None:
+    split = state.router.canaries.get(alias)
+    if split is not None and split.served.version != unless_version:
+        await state.router.stop_canary(alias)
+        await state.store_link.op("decide", alias=alias, version=split.served.version, status="rejected",
+                                  reason="canary stopped: another version was chosen by hand")
+
+
+class CandidateRequest(BaseModel):
+    path: str  # a PEFT adapter directory trained elsewhere
+
+
+@router.post("/aliases/{alias}/candidates")
+async def add_candidate(alias: str, request: Request) -> Response:
+    """Register an adapter trained elsewhere as the next version, a candidate: the loop's gate decides on it."""
+    state = await _admin(request)
+    body = await _body(request, CandidateRequest, state)
+    state.router.get(alias)
+    if not (Path(body["path"]) / "adapter_config.json").is_file():
+        raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {body['path']} (adapter_config.json missing)",
+                         param="path")
+    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
+    if flight is not None:
+        raise Conflict(f"{alias} already has version {flight['version']} in flight ({flight['status']})")
+    return json_response(await register_adapter(state, alias, body["path"], source="manual"))
+
+
+class TrainRequest(BaseModel):
+    promote: bool = False  # serve the new version at once (ART's semantics); false: the loop's gate decides
+    group_ids: list[str] | None = None  # train on these scored groups only
+    args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs overrides for this round
+
+
+@router.post("/aliases/{alias}/train")
+async def train_now(alias: str, request: Request) -> Response:
+    """Run one round now in a child process (the same path as the loop and ``flywheel train``); waits for it."""
+    state = await _admin(request)
+    body = TrainRequest.model_validate(await _body(request, TrainRequest, state))
+    state.router.get(alias)
+    loop = Loop.of(request)
+    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
+    if flight is not None and flight["status"] == "training":
+        raise Conflict(f"{alias} is already training version {flight['version']}")
+    overrides = [f"{key}={json.dumps(value)}" for key, value in body.args.items()]
+    async with loop.lock("train", alias):
+        result = await loop.child.run(alias, body.group_ids, overrides)
+    if result.returncode != 0:
+        raise BadRequest(f"the training round failed (log {result.log_path}): {result.tail[-1500:]}",
+                         param="args" if "--set" in result.tail else None, code="training_failed")
+    summary = result.summary or {}
+    finished = summary.get("status") == "finished"
+    if finished and body.promote:
+        await _end_canary(state, alias)
+        await promote_version(state, alias, summary["version"], reason="trained and promoted through the admin API")
+    return json_response({"status": "finished" if finished else "skipped", "version": summary.get("version"),
+                          "adapter_path": summary.get("adapter_path"), "metrics": summary.get("metrics") or {},
+                          "promoted": finished and body.promote})
+
+
+class JobRequest(BaseModel):
+    job: str
+    alias: str | None = None
+
+
+@router.post("/loop/run")
+async def run_job(request: Request) -> Response:
+    """Run one loop job now and answer with its outcome (the same run the scheduler would record)."""
+    state = await _admin(request)
+    body = JobRequest.model_validate(await _body(request, JobRequest, state))
+    if body.job not in (*ALIAS_JOBS, *GLOBAL_JOBS):
+        raise BadRequest(f"Invalid value for 'job': one of {', '.join((*GLOBAL_JOBS, *ALIAS_JOBS))}", param="job")
+    if body.job in ALIAS_JOBS:
+        if body.alias is None:
+            raise BadRequest(f"'{body.job}' runs for one alias: give 'alias'", param="alias")
+        state.router.get(body.alias)
+    return json_response(await Loop.of(request).run(body.job, body.alias if body.job in ALIAS_JOBS else None))

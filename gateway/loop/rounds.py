@@ -1,0 +1,164 @@
+"""One training round, start to end, as a process of its own: ``flywheel train`` and the loop's training child.
+
+    batch = where.batch(alias, max_groups)            # scored groups, base weights, the version serving now
+    reserved = where.reserve(alias)                   # the store hands out the version number and directory
+    result = train_round(...)                         # trainer/grpo.py, into that directory
+    where.record(...)  or  where.fail(...)            # the version becomes a candidate (or failed)
+
+``where`` is the running gateway's admin API (:class:`AdminApi`) or the store file when no
+gateway runs (:class:`StoreFile`); both speak the same shapes, so the round is one function.
+A round that raises is recorded as failed and its groups stay for the next round; a process
+that dies without a word (killed, out of memory) is recorded by whoever started it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from gateway.config import Settings
+
+
+class RoundError(RuntimeError):
+    """The round could not start, or the gateway refused what it sent (the message says which)."""
+
+
+@dataclass
+class Batch:
+    groups: list[dict[str, Any]]  # TrainingGroup.to_json() each
+    base_model: str
+    current: dict[str, Any] | None  # {"version", "path"} of the adapter serving now, None for the base model
+    args: dict[str, Any]  # the GRPOArgs the gateway's configuration resolves to for this alias
+
+
+class Where(Protocol):
+    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch: ...
+
+    def reserve(self, alias: str, batch: Batch) -> dict[str, Any]: ...
+
+    def record(self, report: dict[str, Any]) -> dict[str, Any] | None: ...
+
+    def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None: ...
+
+
+class AdminApi:
+    """A running gateway's ``/flywheel/v1/training`` routes."""
+
+    def __init__(self, url: str, admin_key: str | None, timeout_s: float = 3600.0) -> None:
+        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.client = httpx.Client(base_url=url.rstrip("/") + "/flywheel/v1/training", headers=headers,
+                                   timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:200]
+            raise RoundError(f"gateway answered {response.status_code}: {message}")
+        return response.json()
+
+    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch:
+        params = {"alias": alias, "max_groups": str(max_groups)}
+        if group_ids:
+            params["group_ids"] = ",".join(group_ids)
+        body = self._call("GET", "/batch", params=params)
+        return Batch(body["groups"], body["base_model"], body["current"], body["args"])
+
+    def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
+        row: dict[str, Any] = self._call("POST", "/versions", json={"alias": alias})  # the gateway knows the rest
+        return row
+
+    def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        adapter: dict[str, Any] | None = self._call("POST", "/rounds", json=report)["adapter_version"]
+        return adapter
+
+    def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None:
+        self._call("POST", "/failures", json={"alias": alias, "version": version, "error": error,
+                                              "group_ids": group_ids})
+
+
+class StoreFile:
+    """The store file itself (no gateway may hold it): the same operations the store process runs."""
+
+    def __init__(self, store: Any, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+
+    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch:
+        from dataclasses import asdict
+
+        from gateway.loop import store_ops
+        from gateway.loop.training import base_model_path, grpo_args
+
+        try:
+            base = base_model_path(self.settings, alias)
+        except ValueError as exc:
+            raise RoundError(str(exc)) from None
+        groups = store_ops.batch(self.store, self.settings, alias, max_groups, group_ids)
+        serving = store_ops.serving(self.store, self.settings)[alias]["serving"]
+        current = {"version": serving["version"], "path": serving["path"]} if serving else None
+        return Batch(groups, base, current, asdict(grpo_args(self.settings, base)))
+
+    def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
+        from gateway.loop import store_ops
+
+        return store_ops.reserve_version(self.store, self.settings, alias, base_model=batch.base_model,
+                                         parent_version=batch.current["version"] if batch.current else None)
+
+    def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        from gateway.loop import store_ops
+
+        return store_ops.record_round(self.store, self.settings, **report)
+
+    def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None:
+        from gateway.loop import store_ops
+
+        store_ops.failed_round(self.store, self.settings, alias, version, error, group_ids)
+
+
+@dataclass
+class RoundOutcome:
+    status: str  # "finished" | "skipped" | "nothing"
+    version: int | None
+    result: Any  # trainer.grpo.RoundResult, None when nothing was trained
+    groups: int
+
+
+def run_round(where: Where, alias: str, *, max_groups: int, overrides: dict[str, Any], promote: bool = False,
+              group_ids: list[str] | None = None) -> RoundOutcome:
+    """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised."""
+    from capture.batches import TrainingGroup
+    from gateway.loop.training import round_to_json
+    from trainer import adapters
+    from trainer.grpo import GRPOArgs
+
+    batch = where.batch(alias, max_groups, group_ids)
+    if not batch.groups:
+        return RoundOutcome("nothing", None, None, 0)
+    args = GRPOArgs(**{**batch.args, **overrides})
+    groups = [TrainingGroup.from_json(g) for g in batch.groups]
+    batch_ids = [g.group_id for g in groups]
+    reserved = where.reserve(alias, batch)
+    version, out_dir = reserved["version"], reserved["path"]
+    init = batch.current["path"] if batch.current else None
+    try:
+        from trainer.grpo import train_round
+
+        result = train_round(batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
+                             optimizer_state=adapters.optimizer_state_of(init))
+    except Exception as exc:
+        adapters.discard(out_dir)
+        where.fail(alias, version, f"{type(exc).__name__}: {exc}", batch_ids)
+        raise
+    if result.status != "finished":
+        adapters.discard(out_dir)
+    report = {"alias": alias, "version": version, "parent_version": batch.current["version"] if batch.current else None,
+              "promote": promote, "result": round_to_json(result), "batch_group_ids": batch_ids}
+    where.record(report)
+    return RoundOutcome(result.status, version, result, len(groups))

@@ -1,0 +1,161 @@
+"""Adapter versions in the store: the one source of version numbers and of which version serves an alias.
+
+Runs where the store is (the store process, or the CLI on the file when no gateway runs). Every
+switch — the gate, the monitor's rollback, ``flywheel promote`` / ``rollback``, the admin API,
+a restart — reads or writes ``adapter_versions`` through these functions, and the gateway then
+makes its engines match. A number is handed out once (``reserve``) and never again, also after
+a failed round, so an engine name ``alias@N`` always means one set of weights.
+
+Statuses: ``training`` -> ``candidate`` | ``failed``; ``candidate`` -> ``canary`` | ``promoted`` |
+``rejected``; ``canary`` -> ``promoted`` | ``rejected``; ``promoted`` -> ``retired`` |
+``rolled_back``; any non-serving one -> ``deleted``. Version 0 is the base model (no row).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, func, select
+
+from capture.models import AdapterVersion, utcnow
+from capture.turns import new_id
+
+IN_FLIGHT = ("training", "candidate", "canary")  # an alias trains one candidate at a time
+
+
+class VersionError(ValueError):
+    """A version that does not exist, or a switch its status does not allow."""
+
+
+def reserve(session: Session, alias: str, *, path_of: Any, base_model: str, source: str = "trained",
+            status: str = "training", parent_version: int | None = None, path: str | None = None,
+            attempts: int = 5) -> AdapterVersion:
+    """A new row with the next number (max + 1, also above any directory already on disk), committed.
+
+    ``path_of(N)`` gives the directory version N will live in (unless ``path`` is given: a manual
+    adapter registered where it is). The (alias, version) unique constraint makes two concurrent
+    reservations (two threads, or two gateway replicas on PostgreSQL) retry rather than share N.
+    """
+    for _ in range(attempts):
+        highest = session.exec(select(func.max(AdapterVersion.version)).where(AdapterVersion.alias == alias)).one()
+        number = max(highest or 0, _highest_on_disk(path_of(1))) + 1
+        row = AdapterVersion(id=new_id("adv"), alias=alias, version=number, path=path or str(path_of(number)),
+                             base_model=base_model, parent_version=parent_version, status=status, source=source)
+        session.add(row)
+        try:
+            session.commit()
+            return row
+        except IntegrityError:
+            session.rollback()
+    raise VersionError(f"could not reserve a version number for {alias!r} after {attempts} attempts")
+
+
+def _highest_on_disk(first: Path) -> int:
+    """The highest numbered directory beside ``first`` (versions written before the store counted them)."""
+    root = Path(first).parent
+    if not root.is_dir():
+        return 0
+    return max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
+
+
+def get(session: Session, alias: str, version: int) -> AdapterVersion:
+    row = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                    AdapterVersion.version == version)).first()
+    if row is None:
+        raise VersionError(f"{alias} has no version {version}")
+    return row
+
+
+def serving(session: Session, alias: str) -> AdapterVersion | None:
+    """The version that serves ``alias`` (None: the base model)."""
+    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                     AdapterVersion.status == "promoted")
+                        .order_by(col(AdapterVersion.promoted_at).desc()).limit(1)).first()
+
+
+def in_flight(session: Session, alias: str) -> AdapterVersion | None:
+    """The version being trained, waiting for its gate, or on canary, if any (oldest first)."""
+    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                     col(AdapterVersion.status).in_(IN_FLIGHT))
+                        .order_by(col(AdapterVersion.version)).limit(1)).first()
+
+
+def listing(session: Session, alias: str) -> list[AdapterVersion]:
+    return list(session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias)
+                             .order_by(col(AdapterVersion.version))))
+
+
+def promote(session: Session, alias: str, version: int, *, reason: str,
+            replaced_status: str = "retired") -> tuple[AdapterVersion | None, AdapterVersion | None]:
+    """Make ``version`` (0: the base model) the one serving ``alias``; returns (new, previous), committed.
+
+    The previous serving version becomes ``replaced_status`` (``retired``, or ``rolled_back`` when
+    it is being rolled back). Deleted, failed and still-training versions cannot serve.
+    """
+    previous = serving(session, alias)
+    target = get(session, alias, version) if version else None
+    if target is not None and target.status in ("deleted", "failed", "training"):
+        raise VersionError(f"{alias} version {version} is {target.status}: it cannot serve")
+    if previous is not None and target is not None and previous.id == target.id:
+        return target, previous
+    now = utcnow()
+    if previous is not None:
+        previous.status, previous.decided_at = replaced_status, now
+        if replaced_status == "rolled_back":
+            previous.reason = reason
+        session.add(previous)
+    if target is not None:
+        target.status, target.promoted_at, target.decided_at, target.reason = "promoted", now, now, reason
+        if replaced_status == "rolled_back":  # a restored version keeps its own predecessor; no need to watch it
+            target.gate = {**(target.gate or {}), "monitor": {"finished": True, "restored_by_rollback": True}}
+        else:
+            target.previous_version = previous.version if previous is not None else 0
+        session.add(target)
+    session.commit()
+    return target, previous
+
+
+def rollback_target(session: Session, alias: str) -> int:
+    """The version to return to: the one that served before the current one (0: the base model)."""
+    current = serving(session, alias)
+    if current is None:
+        raise VersionError(f"{alias} serves the base model: there is nothing to roll back")
+    return current.previous_version or 0
+
+
+def decide(session: Session, alias: str, version: int, status: str, *, reason: str,
+           gate: dict[str, Any] | None = None) -> AdapterVersion:
+    """Record the gate's (or a person's) decision on a non-serving version; ``gate`` results are merged in."""
+    row = get(session, alias, version)
+    row.status, row.reason, row.decided_at = status, reason, utcnow()
+    if gate:
+        row.gate = {**(row.gate or {}), **gate}
+    session.add(row)
+    session.commit()
+    return row
+
+
+def record_gate(session: Session, alias: str, version: int, gate: dict[str, Any]) -> AdapterVersion:
+    """Merge gate results (offline, online) into a version's ``gate`` column without deciding."""
+    row = get(session, alias, version)
+    row.gate = {**(row.gate or {}), **gate}
+    session.add(row)
+    session.commit()
+    return row
+
+
+def fail_stale(session: Session) -> int:
+    """At start-up: rounds that were running when the gateway stopped never finished (their child died)."""
+    rows = list(session.exec(select(AdapterVersion).where(AdapterVersion.status == "training")))
+    for row in rows:
+        row.status, row.reason, row.decided_at = "failed", "the gateway stopped while it was training", utcnow()
+        session.add(row)
+    session.commit()
+    return len(rows)
+
+
+def to_json(row: AdapterVersion) -> dict[str, Any]:
+    return row.model_dump(mode="json")
+

@@ -1,0 +1,221 @@
+"""Versions, hot swaps, the canary, the monitor and rollback — against a vLLM stand-in on loopback.
+
+The gateway's upstream engine talks to ``tests/vllm_standin.py`` (vLLM's runtime-LoRA protocol:
+list, load, unload, chat), which answers ``served by <model> #<n>``, so every test can see which
+version served what. Rewards come from the test's client through the feedback endpoint, as an
+application's would; the loop runs by itself (short ticks) and is observed through the admin API
+and the ``flywheel`` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from gateway.cli import app as cli
+from tests.gateway_process import GatewayProcess
+from tests.vllm_standin import BASE, VllmStandIn
+
+ADMIN = {"authorization": "Bearer admin"}
+
+
+@pytest.fixture
+def vllm() -> Iterator[VllmStandIn]:
+    with VllmStandIn() as server:
+        yield server
+
+
+def fake_adapter(root: Path, name: str) -> str:
+    """A directory the gateway accepts as a PEFT adapter (the stand-in never reads it)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    return str(path)
+
+
+def start(tmp_path: Path, vllm: VllmStandIn, loop: str = "[loop]\nenabled = false\n",
+          name: str = "gw") -> GatewayProcess:
+    return GatewayProcess(tmp_path, f"""
+[engines.vllm]
+base_url = "{vllm.base_url}"
+[aliases.agent]
+engine = "vllm"
+base_model = "{BASE}"
+[auth]
+admin_key = "admin"
+{loop}""", name=name).start()
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def admin(gateway: GatewayProcess, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    response = httpx.request(method, f"{gateway.url}/flywheel/v1{path}", headers=ADMIN, timeout=60, **kwargs)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def served_by(client: openai.OpenAI, messages: list[dict[str, Any]] | None = None) -> tuple[str, str, str]:
+    """(model that answered, completion id, answer text) of one chat turn."""
+    reply = client.chat.completions.create(model="anything", messages=messages or [{"role": "user", "content": "hi"}])
+    text = reply.choices[0].message.content or ""
+    return text.split()[2], reply.id, text
+
+
+def status(gateway: GatewayProcess) -> dict[str, Any]:
+    entry: dict[str, Any] = admin(gateway, "GET", "/status")["aliases"][0]
+    return entry
+
+
+def test_every_switch_gets_its_own_version_and_the_manual_one_survives_a_restart(tmp_path: Path,
+                                                                                   vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    manual, trained = fake_adapter(tmp_path, "manual"), fake_adapter(tmp_path, "trained")
+    # The reproduction: a manual switch, then an adapter trained elsewhere promoted through the gate's path.
+    switched = admin(gateway, "PUT", "/aliases/agent/adapter", json={"path": manual})
+    assert (switched["version"], switched["adapter"]) == (1, "agent@1")
+    assert served_by(client)[0] == "agent@1"
+    candidate = admin(gateway, "POST", "/aliases/agent/candidates", json={"path": trained})
+    assert candidate["version"] == 2 and candidate["status"] == "candidate"
+    promoted = admin(gateway, "POST", "/aliases/agent/promote", json={"version": 2})
+    assert (promoted["version"], promoted["adapter_path"]) == (2, trained)
+    assert vllm.loras.get("agent@2") == trained and "agent@1" not in vllm.loras  # loaded, then the old unloaded
+    assert served_by(client)[0] == "agent@2"
+    assert vllm.events.index(("load", "agent@2")) < vllm.events.index(("unload", "agent@1"))
+    # Back to the manual version by hand, and it survives a restart: the store says what serves.
+    runner = CliRunner()
+    rolled = runner.invoke(cli, ["rollback", "--config", str(gateway.config_file), "--gateway", gateway.url])
+    assert rolled.exit_code == 0, rolled.output
+    assert "now serves version 1" in rolled.output
+    gateway.stop()
+    gateway = start(tmp_path, vllm)
+    assert served_by(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0))[0] == "agent@1"
+    rows = {row["version"]: row for row in admin(gateway, "GET", "/aliases/agent/versions")["data"]}
+    assert (rows[1]["status"], rows[1]["source"], rows[2]["status"]) == ("promoted", "manual", "rolled_back")
+    shown = runner.invoke(cli, ["versions", "--config", str(gateway.config_file), "--gateway", gateway.url])
+    assert shown.exit_code == 0 and "rolled_back" in shown.output, shown.output
+    promoted_again = runner.invoke(cli, ["promote", "2", "--config", str(gateway.config_file),
+                                         "--gateway", gateway.url])
+    assert promoted_again.exit_code == 0 and "now serves version 2" in promoted_again.output
+    assert served_by(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0))[0] == "agent@2"
+    gateway.stop()
+
+
+def test_a_version_the_engine_does_not_list_is_never_switched_to(tmp_path: Path, vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm)
+    first = admin(gateway, "PUT", "/aliases/agent/adapter", json={"path": fake_adapter(tmp_path, "one")})
+    vllm.refuse_listing.add("agent@2")  # loads "fine" but never shows up: a reload that silently did nothing
+    refused = httpx.put(f"{gateway.url}/flywheel/v1/aliases/agent/adapter", headers=ADMIN, timeout=60,
+                        json={"path": fake_adapter(tmp_path, "two")})
+    assert refused.status_code == 502 and "did not list agent@2" in refused.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    assert served_by(client)[0] == first["adapter"]
+    rows = {row["version"]: row for row in admin(gateway, "GET", "/aliases/agent/versions")["data"]}
+    assert rows[1]["status"] == "promoted" and rows[2]["status"] == "rejected"
+    gateway.stop()
+
+
+CANARY = """
+[loop]
+tick_s = 0.3
+[loop.gate]
+offline = false
+[loop.canary]
+fraction = 0.3
+alpha = 0.05
+[loop.monitor]
+alpha = 0.05
+"""
+
+
+def converse(client: openai.OpenAI, gateway: GatewayProcess, turns: int, reward_of: Callable[[str], float]
+             ) -> list[str]:
+    """One conversation of ``turns`` turns (each repeats the history); feedback on its last answer."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {random.random()}"}]
+    models, last_id = [], ""
+    for turn in range(turns):
+        model, last_id, text = served_by(client, messages)
+        models.append(model)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and then {turn}?"}]
+    feedback = httpx.post(f"{gateway.url}/flywheel/v1/feedback", timeout=30,
+                          json={"completion_id": last_id, "reward": reward_of(models[-1])})
+    assert feedback.status_code == 200, feedback.text
+    return models
+
+
+def test_canary_is_sticky_near_its_fraction_and_promotes_a_better_candidate(tmp_path: Path,
+                                                                            vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm, CANARY)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
+    wait_for(lambda: status(gateway)["canary"], what="the gate to start the canary")
+    random.seed(3)
+    on_candidate = []
+    for _ in range(60):  # the candidate earns 1, the base model 0.4: the test must see "better"
+        models = converse(client, gateway, 3, lambda m: 1.0 if m == "agent@1" else 0.4)
+        assert len(set(models)) == 1, models  # a conversation never changes version midway
+        on_candidate.append(models[0] == "agent@1")
+        if status(gateway)["canary"] is None:
+            break
+    share = sum(on_candidate) / len(on_candidate)
+    assert 0.05 < share < 0.6, share  # 0.3 of conversations, with the noise of a few dozen
+    served = wait_for(lambda: status(gateway)["serving"]["version"] == 1 and status(gateway), what="promotion")
+    version = admin(gateway, "GET", "/aliases/agent/versions")["data"][0]
+    online = version["gate"]["online"]
+    assert version["status"] == "promoted" and online["decision"] == "better" and online["p_better"] <= 0.05
+    assert served["jobs"]["ab"]["status"] in ("ok", "idle", "waiting")
+    gateway.stop()
+
+
+def test_worse_candidate_is_rejected_and_a_drop_after_promotion_rolls_back(tmp_path: Path,
+                                                                           vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm, CANARY)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    # 1. A worse candidate: rejected, the base model keeps serving, the candidate is unloaded.
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "worse")})
+    wait_for(lambda: status(gateway)["canary"], what="the canary")
+    for _ in range(80):
+        converse(client, gateway, 1, lambda m: 0.0 if m == "agent@1" else 0.8)
+        if status(gateway)["canary"] is None:
+            break
+    rows = wait_for(lambda: [r for r in admin(gateway, "GET", "/aliases/agent/versions")["data"]
+                             if r["status"] == "rejected"], what="the rejection")
+    assert rows[0]["version"] == 1 and rows[0]["gate"]["online"]["decision"] == "worse"
+    assert status(gateway)["serving"]["version"] == 0 and "agent@1" not in vllm.loras
+    # 2. A better one is promoted by the canary ...
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "better")})
+    wait_for(lambda: status(gateway)["canary"], what="the second canary")
+    for _ in range(80):
+        converse(client, gateway, 1, lambda m: 1.0 if m == "agent@2" else 0.3)
+        if status(gateway)["serving"]["version"] == 2:
+            break
+    wait_for(lambda: status(gateway)["serving"]["version"] == 2, what="the promotion of version 2")
+    # ... and when its live reward drops below what version 0 earned, the monitor rolls it back by itself.
+    for _ in range(80):
+        converse(client, gateway, 1, lambda m: 0.0)
+        if status(gateway)["serving"]["version"] == 0:
+            break
+    wait_for(lambda: status(gateway)["serving"]["version"] == 0, what="the automatic rollback")
+    rows = {row["version"]: row for row in admin(gateway, "GET", "/aliases/agent/versions")["data"]}
+    assert rows[2]["status"] == "rolled_back" and "monitor" in rows[2]["reason"]
+    assert rows[2]["gate"]["monitor"]["decision"] == "worse"
+    assert "agent@2" not in vllm.loras
+    gateway.stop()
