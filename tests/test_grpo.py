@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -143,6 +143,12 @@ def test_the_ratio_is_taken_against_the_captured_behaviour_logprobs(trained: Tra
     # Later steps train on samples the (now different) policy did not draw: against the captured
     # logprobs their ratios leave [0.8, 1.2] and clip. TRL's default (old = current policy) never would.
     assert max(s["clip_ratio/region_mean"] for s in steps[1:]) > 0.0
+    # approx_kl (k3 of the same logratio): ~0 at step 1 (TRL's fused forward vs ours: float noise), then it grows.
+    assert steps[0]["approx_kl"] < 1e-6
+    assert min(s["approx_kl"] for s in steps[1:]) > 1e-4
+    metrics = trained.result.metrics
+    assert metrics["losses/approx_kl"] == pytest.approx(sum(s["approx_kl"] for s in steps) / len(steps))
+    assert metrics["losses/clipfrac"] == pytest.approx(sum(s["clip_ratio/region_mean"] for s in steps) / len(steps))
 
 
 def test_the_rewarded_answer_gains_logprob_over_the_punished_one(trained: Trained) -> None:
@@ -248,6 +254,14 @@ def test_record_round_writes_the_training_run_and_adapter_version(trained: Train
 
 
 # --------------------------------------------------------------------------- pure parts: no model
+
+
+def test_only_the_loss_types_the_reference_covers_are_accepted() -> None:
+    assert GRPOArgs(loss_type="sapo", importance_sampling_level="sequence").loss_type == "sapo"
+    with pytest.raises(ValueError, match="loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo"):
+        GRPOArgs(loss_type=cast(Any, "vespo"))
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        GRPOArgs(importance_sampling_level=cast(Any, "tokens"))
 
 
 def fake_batch(sizes: dict[str, int], split: str | None = None) -> SampleBatch:

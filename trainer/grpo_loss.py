@@ -31,12 +31,13 @@ bonus) are not written here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 CLIPPED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")  # PPO's clipped surrogate, aggregated four ways
 
 
