@@ -203,6 +203,8 @@ def test_a_second_round_continues_from_the_adapter_and_its_optimizer_state(train
     assert first is not None
     base = load(trained.tiny)
     group = answer_group(trained.tokenizer, base, QUESTIONS[1], "again")
+    sampled = [len(m.turns[0].completion_token_ids or []) for m in group.members]
+    group.members[1].turns[0].params = {"temperature": 0.5}  # not the trainer's: its logprobs are of another softmax
     for member in group.members[2:]:  # two members without engine ids: rendered, no behaviour logprobs
         turn = member.turns[0]
         turn.prompt_token_ids = turn.completion_token_ids = turn.completion_logprobs = None
@@ -211,7 +213,9 @@ def test_a_second_round_continues_from_the_adapter_and_its_optimizer_state(train
                          optimizer_state=adapters.optimizer_state_of(first))
     assert result.adapter_dir is not None and result.metrics["charts/optimizer_resumed"] == 1.0
     assert result.config["derived"]["optimizer_state"] == "resumed"
-    assert 0.0 < result.metrics["behaviour/captured_logprob_frac"] < 1.0
+    # only the first member's tokens are clipped against captured logprobs; the others against the policy's own
+    assert result.metrics["behaviour/captured_logprob_frac"] == pytest.approx(sampled[0] / sum(sampled))
+    assert result.metrics["samples/offpolicy_params_sequences"] == 1
     assert result.metrics["samples/retokenized"] == 2
     assert math.isfinite(result.metrics["losses/kl"]) and result.metrics["losses/kl"] >= 0
     assert math.isfinite(result.metrics["losses/loss"])

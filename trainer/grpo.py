@@ -16,7 +16,9 @@ The math, top to bottom (what one round does; TRL's ``_compute_loss`` does steps
    groups with equal rewards are skipped);
 3. ``logratio = log pi_theta(o_t) - log pi_behaviour(o_t)`` on every token the model sampled
    (``env_mask`` = 1), where ``pi_behaviour`` is the logprob the engine reported when it sampled
-   the token (or, where unknown, the policy's own logprob at the start of the step: ratio 1);
+   the token if it was sampled as the trainer computes it (at ``args.temperature``, top_p 1, no
+   top_k, penalties or grammar: ``trainer.samples.offpolicy_params``), else, or where unknown, the
+   policy's own logprob at the start of the step (ratio 1);
    ``ratio = exp(logratio)`` per token, or ``exp`` of its masked mean per sequence (GSPO,
    ``importance_sampling_level="sequence"``);
 4. clipped surrogate ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))``
@@ -77,7 +79,7 @@ class GRPOArgs:
     num_iterations: int = 1
     """passes over each batch of samples (PPO's epochs, TRL's mu); > 1 reuses data, which the clipping keeps safe"""
     temperature: float = 1.0
-    """temperature the captured tokens were sampled at: TRL divides logits by it before taking logprobs"""
+    """TRL divides logits by it; captured turns sampled otherwise (or with top_p < 1, ...) lose their logprobs"""
 
     # LoRA (PEFT); ignored when continuing from init_adapter, whose own config is kept
     lora_r: int = 16
@@ -528,7 +530,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     # 1. groups -> samples (masks, behaviour logprobs, advantages), then groups of one size for TRL
     batch = build_samples(groups, tokenizer, max_prompt_tokens=args.max_prompt_tokens,
                           max_completion_tokens=args.max_completion_tokens, truncation=args.truncation,
-                          advantage_scale=args.advantage_scale, min_group_size=args.min_group_size)
+                          advantage_scale=args.advantage_scale, min_group_size=args.min_group_size,
+                          temperature=args.temperature)
     plan = plan_groups(batch, group_size=args.num_generations, policy=args.group_size_policy, seed=args.seed)
     skipped = _skip_counts(batch.skipped + plan.skipped)
 
