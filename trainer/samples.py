@@ -233,7 +233,7 @@ class _TurnTokens:
     completion: list[int]
     logprobs: list[float | None] | None
     retokenized: bool
-    offpolicy_params: list[str] = field(default_factory=list)
+    offpolicy_params: bool  # sampled with other parameters than the trainer's: logprobs dropped
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -294,10 +294,10 @@ def turn_tokens(tokenizer: Any, turn: BranchTurn, *, temperature: float = 1.0) -
         completion = _encode(tokenizer, _rendered_completion(tokenizer, turn, prompt_text))
         logprobs = None  # no behaviour logprobs for tokens we made up
     retokenized = turn.prompt_token_ids is None or turn.completion_token_ids is None
-    differ = offpolicy_params(turn.params, temperature)
-    if differ:
+    offpolicy = bool(offpolicy_params(turn.params, temperature))
+    if offpolicy:
         logprobs = None  # of another distribution than the one the trainer's ratio divides by
-    return _TurnTokens(prompt, completion, logprobs, retokenized, differ)
+    return _TurnTokens(prompt, completion, logprobs, retokenized, offpolicy)
 
 
 # --------------------------------------------------------------------------- member -> sequences
@@ -319,7 +319,7 @@ class _Seq:
         self.env_mask += [0] * len(env) + [1] * len(turn.completion)
         self.logprobs += [None] * len(env) + (turn.logprobs or [None] * len(turn.completion))
         self.retokenized |= turn.retokenized
-        self.offpolicy_params |= bool(turn.offpolicy_params)
+        self.offpolicy_params |= turn.offpolicy_params
         self.turns += 1
 
 
