@@ -23,6 +23,7 @@ class BranchTurn:
     completion_logprobs: list[float] | None = None  # behaviour logprobs of completion_token_ids
     finish_reason: str | None = None
     turn_id: str | None = None
+    params: dict[str, Any] | None = None  # the request's sampling parameters (turns.params); None: OpenAI's defaults
 
 
 @dataclass

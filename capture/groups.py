@@ -191,5 +191,5 @@ def training_group(session: Session, group: Group) -> TrainingGroup:
                               tools=t.tools, prompt_token_ids=t.prompt_token_ids,
                               completion_token_ids=t.completion_token_ids,
                               completion_logprobs=t.completion_logprobs, finish_reason=t.finish_reason,
-                              turn_id=t.id) for t in turns]))
+                              turn_id=t.id, params=t.params) for t in turns]))
     return out

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -143,6 +143,12 @@ def test_the_ratio_is_taken_against_the_captured_behaviour_logprobs(trained: Tra
     # Later steps train on samples the (now different) policy did not draw: against the captured
     # logprobs their ratios leave [0.8, 1.2] and clip. TRL's default (old = current policy) never would.
     assert max(s["clip_ratio/region_mean"] for s in steps[1:]) > 0.0
+    # approx_kl (k3 of the same logratio): ~0 at step 1 (TRL's fused forward vs ours: float noise), then it grows.
+    assert steps[0]["approx_kl"] < 1e-6
+    assert min(s["approx_kl"] for s in steps[1:]) > 1e-4
+    metrics = trained.result.metrics
+    assert metrics["losses/approx_kl"] == pytest.approx(sum(s["approx_kl"] for s in steps) / len(steps))
+    assert metrics["losses/clipfrac"] == pytest.approx(sum(s["clip_ratio/region_mean"] for s in steps) / len(steps))
 
 
 def test_the_rewarded_answer_gains_logprob_over_the_punished_one(trained: Trained) -> None:
@@ -197,6 +203,8 @@ def test_a_second_round_continues_from_the_adapter_and_its_optimizer_state(train
     assert first is not None
     base = load(trained.tiny)
     group = answer_group(trained.tokenizer, base, QUESTIONS[1], "again")
+    sampled = [len(m.turns[0].completion_token_ids or []) for m in group.members]
+    group.members[1].turns[0].params = {"temperature": 0.5}  # not the trainer's: its logprobs are of another softmax
     for member in group.members[2:]:  # two members without engine ids: rendered, no behaviour logprobs
         turn = member.turns[0]
         turn.prompt_token_ids = turn.completion_token_ids = turn.completion_logprobs = None
@@ -205,7 +213,9 @@ def test_a_second_round_continues_from_the_adapter_and_its_optimizer_state(train
                          optimizer_state=adapters.optimizer_state_of(first))
     assert result.adapter_dir is not None and result.metrics["charts/optimizer_resumed"] == 1.0
     assert result.config["derived"]["optimizer_state"] == "resumed"
-    assert 0.0 < result.metrics["behaviour/captured_logprob_frac"] < 1.0
+    # only the first member's tokens are clipped against captured logprobs; the others against the policy's own
+    assert result.metrics["behaviour/captured_logprob_frac"] == pytest.approx(sampled[0] / sum(sampled))
+    assert result.metrics["samples/offpolicy_params_sequences"] == 1
     assert result.metrics["samples/retokenized"] == 2
     assert math.isfinite(result.metrics["losses/kl"]) and result.metrics["losses/kl"] >= 0
     assert math.isfinite(result.metrics["losses/loss"])
@@ -248,6 +258,14 @@ def test_record_round_writes_the_training_run_and_adapter_version(trained: Train
 
 
 # --------------------------------------------------------------------------- pure parts: no model
+
+
+def test_only_the_loss_types_the_reference_covers_are_accepted() -> None:
+    assert GRPOArgs(loss_type="sapo", importance_sampling_level="sequence").loss_type == "sapo"
+    with pytest.raises(ValueError, match="loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo"):
+        GRPOArgs(loss_type=cast(Any, "vespo"))
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        GRPOArgs(importance_sampling_level=cast(Any, "tokens"))
 
 
 def fake_batch(sizes: dict[str, int], split: str | None = None) -> SampleBatch:

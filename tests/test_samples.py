@@ -15,7 +15,7 @@ import pytest
 
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from tests.conftest import WEATHER_ANSWER, WEATHER_QUESTION, WEATHER_TOOL, weather_followup
-from trainer.samples import ADVANTAGE_EPS, build_samples, group_advantages
+from trainer.samples import ADVANTAGE_EPS, build_samples, group_advantages, offpolicy_params
 
 CALL_ARGS = '{"city": "Paris"}'
 TOOL_CALL_MESSAGE: dict[str, Any] = {
@@ -201,3 +201,70 @@ def test_advantages_per_scale(tokenizer: Any) -> None:
     for scale, expected in (("group", group), ("batch", batch)):
         samples = build_samples(groups, tokenizer, advantage_scale=scale, **LIMITS).samples
         assert [s.advantage for s in samples] == pytest.approx([a for adv in expected for a in adv])
+
+
+# --------------------------------------------------------------------------- sampling parameters
+
+
+def test_offpolicy_params_names_what_reshapes_the_sampling_distribution() -> None:
+    neutral = {"temperature": 1, "top_p": 1.0, "top_k": -1, "min_p": 0, "presence_penalty": 0.0, "max_tokens": 5,
+               "seed": 3, "n": 2, "stop": ["\n"], "logit_bias": {}, "response_format": {"type": "text"},
+               "tool_choice": "auto", "logprobs": True}
+    assert offpolicy_params(neutral, 1.0) == [] and offpolicy_params(None, 1.0) == []  # unset: OpenAI's defaults
+    assert offpolicy_params(None, 0.7) == ["temperature"] and offpolicy_params({"temperature": 0.7}, 0.7) == []
+    assert offpolicy_params({"temperature": 0}, 1.0) == ["temperature"]  # greedy
+    reshaped = {"top_p": 0.9, "top_k": 20, "frequency_penalty": 0.5, "logit_bias": {"7": 5},
+                "response_format": {"type": "json_object"}, "tool_choice": "required"}
+    assert offpolicy_params(reshaped, 1.0) == list(reshaped)
+
+
+def test_turns_sampled_with_other_parameters_lose_their_behaviour_logprobs_and_are_counted(tokenizer: Any) -> None:
+    default, cooler = single_turn(tokenizer, "Sunny."), single_turn(tokenizer, "Rain.")
+    tool = tool_trajectory(tokenizer)
+    cooler[0].params = {"temperature": 0.7, "max_tokens": 16}
+    tool[1].params = {"top_p": 0.9}  # only the answer after the tool result was nucleus-sampled
+    group = group_of([(default, 1.0), (cooler, 0.0), (tool, 0.5)])
+
+    at_1 = build_samples([group], tokenizer, **LIMITS)  # the trainer's temperature: 1 (GRPOArgs' default)
+    plain, cool, tooled = at_1.samples
+    assert plain.logprobs == default[0].completion_logprobs and not plain.offpolicy_params
+    assert cool.logprobs is None and cool.offpolicy_params
+    call = tool[0].completion_token_ids
+    assert call is not None and tool[0].completion_logprobs is not None and tooled.logprobs is not None
+    assert tooled.logprobs[:len(call)] == tool[0].completion_logprobs  # the tool call was sampled as trained
+    assert tooled.logprobs[len(call):] == [None] * (len(tooled.completion_ids) - len(call))
+    assert tooled.offpolicy_params and at_1.stats()["samples/offpolicy_params_sequences"] == 2
+    assert [s.advantage for s in at_1.samples] == [s.advantage for s in
+                                                  build_samples([group], tokenizer, **LIMITS, temperature=0.7).samples]
+
+    at_07 = build_samples([group], tokenizer, **LIMITS, temperature=0.7)  # now the default turns are the odd ones
+    assert at_07.samples[0].logprobs is None and at_07.samples[1].logprobs == cooler[0].completion_logprobs
+    assert at_07.stats()["samples/offpolicy_params_sequences"] == 2
+
+
+def test_the_stored_sampling_parameters_reach_the_trainer(tmp_path: Path) -> None:
+    from capture.groups import training_group
+    from capture.models import Group, GroupMember, Score, Trajectory, Turn
+    from capture.store import Store
+
+    store = Store(tmp_path / "store.duckdb")
+    try:
+        with store.session() as session:
+            session.add(Group(id="grp", source="explicit", key="k", alias="agent", status="scored", size=2))
+            for i, params in enumerate([{"temperature": 0.3, "top_p": 0.5}, None]):
+                session.add(Trajectory(id=f"traj{i}", alias="agent"))
+                session.add(Turn(id=f"turn{i}", trajectory_id=f"traj{i}", completion_id=f"c{i}", requested_model="m",
+                                 alias="agent", engine_model="m", request_messages=WEATHER_QUESTION,
+                                 response_message={"role": "assistant", "content": "Sunny."}, params=params,
+                                 h_ctx="ctx", h_out=f"out{i}"))
+                session.add(GroupMember(group_id="grp", trajectory_id=f"traj{i}", leaf_turn_id=f"turn{i}"))
+                session.add(Score(id=f"s{i}", trajectory_id=f"traj{i}", group_id="grp", source="reward", value=i))
+            session.commit()
+        with store.session() as session:
+            stored = session.get(Group, "grp")
+            assert stored is not None
+            batch = training_group(session, stored)
+    finally:
+        store.close()
+    assert [m.turns[0].params for m in batch.members] == [{"temperature": 0.3, "top_p": 0.5}, None]
+    assert TrainingGroup.from_json(json.loads(json.dumps(batch.to_json()))) == batch  # through the admin API

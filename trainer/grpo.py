@@ -8,26 +8,33 @@
     # several GPUs: the same through accelerate
     accelerate launch -m trainer.grpo --base ... --groups ... --out ...
 
-The math, top to bottom (what one round does; TRL's ``_compute_loss`` does steps 3-6):
+The math, top to bottom (what one round does; TRL's ``_compute_loss`` does steps 3-6, and
+``trainer/grpo_loss.py`` writes them out, tested equal to TRL's loss and gradients):
 
 1. rewards ``r_i`` of the G attempts of a group (the judge's or the client's), captured;
 2. group-relative advantages ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` (``trainer.samples``;
    groups with equal rewards are skipped);
 3. ``logratio = log pi_theta(o_t) - log pi_behaviour(o_t)`` on every token the model sampled
    (``env_mask`` = 1), where ``pi_behaviour`` is the logprob the engine reported when it sampled
-   the token (or, where unknown, the policy's own logprob at the start of the step: ratio 1);
-   ``ratio = exp(logratio)`` per token, or its masked mean per sequence (GSPO,
+   the token if it was sampled as the trainer computes it (at ``args.temperature``, top_p 1, no
+   top_k, penalties or grammar: ``trainer.samples.offpolicy_params``), else, or where unknown, the
+   policy's own logprob at the start of the step (ratio 1);
+   ``ratio = exp(logratio)`` per token, or ``exp`` of its masked mean per sequence (GSPO,
    ``importance_sampling_level="sequence"``);
-4. clipped surrogate ``pg_loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``;
-5. ``+ beta * KL(pi_theta || pi_ref)`` (k3 estimator) when ``beta > 0``;
-6. aggregated over tokens per ``loss_type`` (``dapo``: over all sampled tokens of the batch).
+4. clipped surrogate ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))``
+   (``cispo``, ``sapo``: their own weights);
+5. ``+ beta * KL(pi_theta || pi_ref)`` (k3 estimator, times the ratio) when ``beta > 0``;
+6. aggregated over tokens per ``loss_type`` (``dapo``: over all sampled tokens of the step);
+   beside it ``approx_kl`` (k3 of ``logratio``) and ``clipfrac``, logged as ``losses/*``.
 
-What we add to TRL, in ``CapturedGRPOTrainer._generate_and_score_completions`` (a wrapper
-around TRL's method, nothing copied): the rows of the batch are handed to the rollout (TRL
-gives ``rollout_func`` only the prompts), the advantages are ours (computed over each whole
-captured group; TRL's own equal them for whole groups, which is checked and logged), and
-the captured behaviour logprobs become ``old_per_token_logps`` so that step 3 clips against
-the policy that actually sampled (TRL uses captured logprobs only with its own vLLM).
+What we add to TRL, in ``CapturedGRPOTrainer`` (wrappers around TRL's methods, nothing copied):
+the rows of the batch are handed to the rollout (TRL gives ``rollout_func`` only the prompts),
+the advantages are ours (computed over each whole captured group; TRL's own equal them for
+whole groups, which is checked and logged), the captured behaviour logprobs become
+``old_per_token_logps`` so that step 3 clips against the policy that actually sampled (TRL uses
+captured logprobs only with its own vLLM), and ``approx_kl`` is computed beside TRL's loss from
+the logprobs of TRL's own forward pass. tests/test_trl_contract.py fails, saying what changed,
+when TRL's private methods stop being what these wrappers expect.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from typing import Any, Literal, cast
 
 from capture.batches import TrainingGroup
 from trainer import adapters
+from trainer.grpo_loss import LOSS_TYPES, LossType, approx_kl
 from trainer.samples import AdvantageScale, Sample, SampleBatch, Skipped, Truncation, build_samples
 
 
@@ -56,14 +64,14 @@ class GRPOArgs:
     """One training round's configuration. Defaults suit a real instruct model on a GPU; see ``tiny()``."""
 
     # ALGO LOGIC: the objective (TRL's names and meanings)
-    loss_type: str = "dapo"
-    """TRL loss aggregation: grpo, dr_grpo, dapo (TRL's default: mean over all sampled tokens), bnpo, cispo, sapo..."""
+    loss_type: LossType = "dapo"
+    """grpo, dr_grpo, dapo (TRL's default: mean over all sampled tokens of a step), bnpo, cispo, sapo (grpo_loss.py)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: a PPO ratio per token; sequence: one length-normalized ratio per sequence (GSPO)"""
     epsilon: float = 0.2
     """lower clip range: the ratio is clipped at 1 - epsilon"""
     epsilon_high: float | None = None
-    """upper clip range (DAPO's clip-higher uses 0.28); None: the same as epsilon"""
+    """upper clip range (DAPO's clip-higher uses 0.28); None: the same as epsilon. cispo: the ratio's cap (5.0)"""
     beta: float = 0.0
     """KL coefficient against the reference (the base model, or a frozen copy of init_adapter); 0 skips that forward"""
     advantage_scale: AdvantageScale = "group"
@@ -71,7 +79,7 @@ class GRPOArgs:
     num_iterations: int = 1
     """passes over each batch of samples (PPO's epochs, TRL's mu); > 1 reuses data, which the clipping keeps safe"""
     temperature: float = 1.0
-    """temperature the captured tokens were sampled at: TRL divides logits by it before taking logprobs"""
+    """TRL divides logits by it; captured turns sampled otherwise (or with top_p < 1, ...) lose their logprobs"""
 
     # LoRA (PEFT); ignored when continuing from init_adapter, whose own config is kept
     lora_r: int = 16
@@ -128,6 +136,13 @@ class GRPOArgs:
     """TRL's progress bar and per-step log lines, and a summary at the end"""
     logging_steps: int = 1
     """log (and record per-step metrics) every this many steps"""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:  # the ones trainer/grpo_loss.py writes out and tests against TRL
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {self.loss_type!r}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level must be token or sequence, not "
+                             f"{self.importance_sampling_level!r}")
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GRPOArgs:
@@ -269,6 +284,7 @@ def captured_trainer_class() -> type:
         """TRL's GRPOTrainer, trained on captured samples served by a ``CapturedRollout``."""
 
         advantage_diffs: list[float]
+        _loss_logps: list[Any] | None = None  # collects the policy logprobs of TRL's forward inside _compute_loss
 
         def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
             rollout = cast(CapturedRollout, self.rollout_func)
@@ -311,6 +327,39 @@ def captured_trainer_class() -> type:
                 self._metrics[mode]["behaviour/captured_logprob_frac"].append(captured_frac.item())
             else:
                 self._metrics[mode]["behaviour/captured_logprob_frac"].append(0.0)
+            return output
+
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+            # approx_kl beside TRL's loss, from the policy logprobs of TRL's own forward (no second forward)
+            self._loss_logps = []
+            try:
+                loss = super()._compute_loss(model, inputs)
+                logps = self._loss_logps
+            finally:
+                self._loss_logps = None
+            if len(logps) != 1:
+                raise RuntimeError(f"TRL's _compute_loss made {len(logps)} policy forwards, not 1: approx_kl cannot "
+                                   "be computed (tests/test_trl_contract.py)")
+            b_logps = logps[0]  # (B, C)
+            b_mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                b_mask = b_mask * inputs["tool_mask"]
+            b_old_logps = inputs.get("old_per_token_logps")
+            b_logratio = b_logps - (b_logps if b_old_logps is None else b_old_logps)  # TRL: no old logps, ratio 1
+            # a token mean over every process, as TRL reduces its own token means
+            tokens = b_mask.sum().float()
+            totals = self.accelerator.reduce(torch.stack([approx_kl(b_logratio, b_mask) * tokens, tokens]),
+                                             reduction="sum")
+            mode = "train" if cast(Any, self.model).training else "eval"
+            self._metrics[mode]["approx_kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+            return loss
+
+        def _get_per_token_logps_and_entropies(self, model: Any, input_ids: Any, attention_mask: Any,
+                                               logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
+            output = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                *args, **kwargs)
+            if self._loss_logps is not None:
+                self._loss_logps.append(output[0].detach())
             return output
 
         def _policy_logps(self, output: dict[str, Any]) -> Any:
@@ -401,7 +450,8 @@ def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: S
     metrics: dict[str, float] = {
         "losses/loss": mean("loss"),
         "losses/loss_last": steps[-1]["loss"] if steps else float("nan"),
-        "losses/clipfrac": mean("clip_ratio/region_mean"),
+        "losses/approx_kl": mean("approx_kl"),
+        "losses/clipfrac": mean("cispo_clip_ratio" if args.loss_type == "cispo" else "clip_ratio/region_mean"),
         "losses/clipfrac_low": mean("clip_ratio/low_mean"),
         "losses/clipfrac_high": mean("clip_ratio/high_mean"),
         "losses/entropy": mean("entropy"),
@@ -480,7 +530,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     # 1. groups -> samples (masks, behaviour logprobs, advantages), then groups of one size for TRL
     batch = build_samples(groups, tokenizer, max_prompt_tokens=args.max_prompt_tokens,
                           max_completion_tokens=args.max_completion_tokens, truncation=args.truncation,
-                          advantage_scale=args.advantage_scale, min_group_size=args.min_group_size)
+                          advantage_scale=args.advantage_scale, min_group_size=args.min_group_size,
+                          temperature=args.temperature)
     plan = plan_groups(batch, group_size=args.num_generations, policy=args.group_size_policy, seed=args.seed)
     skipped = _skip_counts(batch.skipped + plan.skipped)
 

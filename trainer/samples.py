@@ -26,6 +26,15 @@ before it when the turn ended on ``finish_reason="length"`` (the model never sam
 Such sequences are flagged ``retokenized``: the text is right, the token boundaries may
 differ from what was sampled, and there are no behaviour logprobs.
 
+**Sampling parameters.** A captured logprob is the behaviour policy's only when the turn was
+drawn from what the trainer computes, ``softmax(logits / temperature)``: at the trainer's
+temperature, with ``top_p`` 1, no ``top_k`` / ``min_p``, no penalties, no logit bias, no
+constrained decoding (``offpolicy_params``; parameters the client did not send are OpenAI's
+defaults: temperature 1, top_p 1). A turn sampled otherwise keeps its tokens but loses its
+behaviour logprobs (the trainer then uses the policy's own at the start of the step: ratio 1),
+and its sequences are flagged ``offpolicy_params`` and counted (docs/trainer.md explains why
+they are not re-weighted).
+
 **Concatenation rule (append-only, checked on tokens).** Turn *t+1* is appended to the
 sequence when its prompt ids start with the sequence's prompt + completion so far; the
 extra prompt tokens become env tokens (mask 0), then its completion follows (mask 1).
@@ -65,6 +74,15 @@ from capture.batches import BranchTurn, GroupMember, TrainingGroup
 
 Truncation = Literal["left", "drop"]
 AdvantageScale = Literal["group", "batch", "none"]
+# Parameters that reshape the distribution a token is drawn from, and their values that leave it alone (OpenAI's and
+# vLLM's defaults; absent, None, {} and [] leave it alone too). vLLM decodes response_format and tool_choice
+# "required" / a named function under a grammar.
+NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": (), "min_tokens": (0,), "bad_words": (), "allowed_token_ids": (),
+    "response_format": ({"type": "text"},), "tool_choice": ("auto", "none"), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
 ADVANTAGE_EPS = 1e-4  # TRL adds the same constant to the std (grpo_trainer.py, "advantages / (std + 1e-4)")
 ZERO_VARIANCE_TOL = 1e-6  # rewards closer than this count as equal
 
@@ -86,6 +104,7 @@ class Sample:
     retokenized: bool = False  # some turn was rendered with the chat template (no exact ids)
     truncated: bool = False  # prompt cut from the left or completion cut from the right
     turns: int = 1  # turns concatenated into this sequence
+    offpolicy_params: bool = False  # some turn sampled with other parameters than the trainer's: its logprobs dropped
 
     @property
     def sampled_tokens(self) -> int:
@@ -134,6 +153,7 @@ class SampleBatch:
             "samples/retokenized": sum(s.retokenized for s in self.samples),
             "samples/split": sum(s.part > 0 for s in self.samples),
             "samples/truncated": sum(s.truncated for s in self.samples),
+            "samples/offpolicy_params_sequences": sum(s.offpolicy_params for s in self.samples),
             "samples/sampled_tokens": sum(s.sampled_tokens for s in self.samples),
             "samples/tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in self.samples),
         }
@@ -213,6 +233,7 @@ class _TurnTokens:
     completion: list[int]
     logprobs: list[float | None] | None
     retokenized: bool
+    offpolicy_params: bool  # sampled with other parameters than the trainer's: logprobs dropped
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -242,8 +263,20 @@ def _rendered_completion(tokenizer: Any, turn: BranchTurn, prompt_text: str) -> 
     return completion[:end + len(eos)]
 
 
-def turn_tokens(tokenizer: Any, turn: BranchTurn) -> _TurnTokens:
-    """Prompt and completion ids of one turn: the engine's exact ids when captured, else rendered."""
+def offpolicy_params(params: dict[str, Any] | None, temperature: float) -> list[str]:
+    """The sampling parameters of a turn that make its distribution differ from the trainer's softmax(logits / T)."""
+    params = params or {}
+    sampled_at = params.get("temperature")
+    differ = [] if math.isclose(1.0 if sampled_at is None else float(sampled_at), temperature) else ["temperature"]
+    return differ + [name for name, neutral in NEUTRAL_SAMPLING.items()
+                     if params.get(name) not in (None, {}, [], *neutral)]
+
+
+def turn_tokens(tokenizer: Any, turn: BranchTurn, *, temperature: float = 1.0) -> _TurnTokens:
+    """Prompt and completion ids of one turn: the engine's exact ids when captured, else rendered.
+
+    Its behaviour logprobs are kept when it was sampled at ``temperature`` (the trainer's) with neutral parameters.
+    """
     prompt_text: str | None = None
     if turn.prompt_token_ids is not None:
         prompt = list(turn.prompt_token_ids)
@@ -261,7 +294,10 @@ def turn_tokens(tokenizer: Any, turn: BranchTurn) -> _TurnTokens:
         completion = _encode(tokenizer, _rendered_completion(tokenizer, turn, prompt_text))
         logprobs = None  # no behaviour logprobs for tokens we made up
     retokenized = turn.prompt_token_ids is None or turn.completion_token_ids is None
-    return _TurnTokens(prompt, completion, logprobs, retokenized)
+    offpolicy = bool(offpolicy_params(turn.params, temperature))
+    if offpolicy:
+        logprobs = None  # of another distribution than the one the trainer's ratio divides by
+    return _TurnTokens(prompt, completion, logprobs, retokenized, offpolicy)
 
 
 # --------------------------------------------------------------------------- member -> sequences
@@ -276,21 +312,23 @@ class _Seq:
     retokenized: bool = False
     truncated: bool = False
     turns: int = 0
+    offpolicy_params: bool = False
 
     def add(self, env: list[int], turn: _TurnTokens) -> None:
         self.completion += env + turn.completion
         self.env_mask += [0] * len(env) + [1] * len(turn.completion)
         self.logprobs += [None] * len(env) + (turn.logprobs or [None] * len(turn.completion))
         self.retokenized |= turn.retokenized
+        self.offpolicy_params |= turn.offpolicy_params
         self.turns += 1
 
 
 def member_sequences(tokenizer: Any, member: GroupMember, *, max_prompt_tokens: int, max_completion_tokens: int,
-                     truncation: Truncation = "left") -> list[_Seq]:
+                     truncation: Truncation = "left", temperature: float = 1.0) -> list[_Seq]:
     """Chain a member's turns into sequences (append-only on tokens), then apply the length limits."""
     seqs: list[_Seq] = []
     for turn in member.turns:
-        tokens = turn_tokens(tokenizer, turn)
+        tokens = turn_tokens(tokenizer, turn, temperature=temperature)
         if seqs:
             current = seqs[-1]
             so_far = current.prompt + current.completion
@@ -326,8 +364,12 @@ def member_sequences(tokenizer: Any, member: GroupMember, *, max_prompt_tokens: 
 
 def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tokens: int,
                   max_completion_tokens: int, truncation: Truncation = "left",
-                  advantage_scale: AdvantageScale = "group", min_group_size: int = 2) -> SampleBatch:
+                  advantage_scale: AdvantageScale = "group", min_group_size: int = 2,
+                  temperature: float = 1.0) -> SampleBatch:
     """Turn scored groups into training sequences with masks, behaviour logprobs and advantages.
+
+    ``temperature`` is the trainer's (``GRPOArgs.temperature``): behaviour logprobs of turns sampled
+    otherwise are dropped (``offpolicy_params``).
 
     Steps: (1) skip groups whose rewards are all equal; (2) tokenize each member, skipping
     members that cannot be; (3) skip groups left with fewer than ``min_group_size`` members
@@ -349,7 +391,8 @@ def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tok
         for index, member in enumerate(group.members):
             try:
                 seqs = member_sequences(tokenizer, member, max_prompt_tokens=max_prompt_tokens,
-                                        max_completion_tokens=max_completion_tokens, truncation=truncation)
+                                        max_completion_tokens=max_completion_tokens, truncation=truncation,
+                                        temperature=temperature)
             except _SkipMember as skip:
                 skipped.append(Skipped(group.group_id, skip.reason, 1, member.trajectory_id))
                 continue
@@ -372,7 +415,8 @@ def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tok
                     group_id=group.group_id, trajectory_id=member.trajectory_id, member_index=index, part=part,
                     prompt_ids=seq.prompt, completion_ids=seq.completion, env_mask=seq.env_mask,
                     logprobs=seq.logprobs if known else None, reward=float(member.reward), advantage=advantage,
-                    retokenized=seq.retokenized, truncated=seq.truncated, turns=seq.turns))
+                    retokenized=seq.retokenized, truncated=seq.truncated, turns=seq.turns,
+                    offpolicy_params=seq.offpolicy_params))
     return SampleBatch(samples=samples, group_ids=[g.group_id for g, _ in kept], skipped=skipped,
                        advantage_scale=advantage_scale, groups_in=len(groups),
                        members_in=sum(len(g.members) for g in groups),

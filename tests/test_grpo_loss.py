@@ -1,0 +1,152 @@
+"""trainer/grpo_loss.py equals TRL's GRPOTrainer._compute_loss: the loss, its gradients and its diagnostics.
+
+For every loss type and importance sampling level we expose, a real TRL GRPOTrainer on the tiny
+model (LoRA, temperature 0.7, asymmetric clipping, a KL term) computes its loss on one fixed
+batch; the reference recomputes it from its own forward pass (logits / temperature, log-softmax),
+and both are differentiated with respect to the LoRA weights.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from trainer.grpo_loss import LOSS_TYPES, grpo_loss
+from trainer.samples import group_advantages
+
+TEMPERATURE = 0.7
+MAX_COMPLETION_LENGTH = 8
+EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
+CISPO_EPSILON_MAX = 1.1  # cispo's epsilon_high is an absolute cap on the ratio (ScaleRL recommends 5.0)
+REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.2, 0.9, 0.4, 0.4]]  # two groups of four attempts
+
+CASES = [(loss_type, level, 0.04) for loss_type in LOSS_TYPES for level in ("token", "sequence")]
+CASES += [("dapo", "token", 0.0), ("grpo", "sequence", 0.0)]
+
+
+def make_trainer(tiny_model: Path, loss_type: str, level: str, beta: float) -> Any:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=str(tiny_model.parent / "grpo-loss-scratch"), report_to="none", use_cpu=True, bf16=False,
+        disable_tqdm=True,
+        per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
+        max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE, loss_type=loss_type,
+        importance_sampling_level=level, beta=beta, epsilon=EPSILON_LOW,
+        epsilon_high=CISPO_EPSILON_MAX if loss_type == "cispo" else EPSILON_HIGH)
+    # init_lora_weights=False: random A and B, so the adapter changes the logprobs and every LoRA weight gets a gradient
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
+                      init_lora_weights=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                          args=config, train_dataset=Dataset.from_list([{"prompt": "x"}] * 8),
+                          processing_class=AutoTokenizer.from_pretrained(tiny_model), peft_config=lora)
+    cast(Any, trainer.model).train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop: one micro-batch per step here
+    return trainer
+
+
+def fixed_batch() -> dict[str, Any]:
+    """8 completions of 8 tokens after 6 prompt tokens: padding, env tokens, both signs of advantage, moved logprobs."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    b_ids = torch.randint(10, 1000, (8, 6 + MAX_COMPLETION_LENGTH), generator=generator)  # (B, P + T)
+    lengths = torch.tensor([8, 8, 7, 5, 8, 3, 6, 8])
+    completion_mask = (torch.arange(MAX_COMPLETION_LENGTH)[None, :] < lengths[:, None]).long()  # (B, T) right padding
+    tool_mask = torch.ones(8, MAX_COMPLETION_LENGTH, dtype=torch.long)
+    tool_mask[1, 2:4] = tool_mask[6, 1:3] = 0  # a tool result between two sampled turns
+    b_advantages = torch.tensor([a for group in group_advantages(REWARDS) for a in group])  # (B,)
+    return {"prompt_ids": b_ids[:, :6], "prompt_mask": torch.ones(8, 6, dtype=torch.long),
+            "completion_ids": b_ids[:, 6:], "completion_mask": completion_mask, "tool_mask": tool_mask,
+            "advantages": b_advantages, "num_items_in_batch": (completion_mask * tool_mask).sum() * 2.0,
+            "noise": torch.randn(2, 8, MAX_COMPLETION_LENGTH, generator=generator)}
+
+
+def policy_logps(model: Any, batch: dict[str, Any]) -> Any:
+    """log pi_theta of each completion token at TEMPERATURE, from the model's own logits (with gradient)."""
+    import torch
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (B, P + T)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, P + T, V)
+    logits = logits[:, -MAX_COMPLETION_LENGTH - 1:-1] / TEMPERATURE  # (B, T, V): position t predicts token t + 1
+    return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)  # (B, T)
+
+
+def lora_grads(model: Any) -> dict[str, Any]:
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize(("loss_type", "level", "beta"), CASES, ids=[f"{t}-{lv}-beta{b}" for t, lv, b in CASES])
+def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_model: Path, loss_type: str,
+                                                                         level: str, beta: float) -> None:
+    import torch
+
+    trainer = make_trainer(tiny_model, loss_type, level, beta)
+    model = trainer.model
+    batch = fixed_batch()
+    b_mask = batch["completion_mask"] * batch["tool_mask"]  # (B, T)
+    with torch.no_grad():
+        b_logps = policy_logps(model, batch)
+    # The sampler and the reference differ from the policy by ~0.3 nats per token: ratios on both sides of the clip.
+    b_old_logps = b_logps + 0.3 * batch["noise"][0]  # (B, T)
+    b_ref_logps = b_logps + 0.3 * batch["noise"][1]  # (B, T)
+    inputs = {k: v for k, v in batch.items() if k != "noise"}
+    inputs["old_per_token_logps"] = b_old_logps
+    if beta:
+        inputs["ref_per_token_logps"] = b_ref_logps
+
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = lora_grads(model)
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    loss, stats = grpo_loss(
+        policy_logps(model, batch), b_old_logps, batch["advantages"], b_mask, loss_type=loss_type,
+        importance_sampling_level=level, epsilon_low=EPSILON_LOW,
+        epsilon_high=CISPO_EPSILON_MAX if loss_type == "cispo" else EPSILON_HIGH, beta=beta,
+        b_ref_logps=b_ref_logps if beta else None, max_completion_length=MAX_COMPLETION_LENGTH,
+        num_items_in_batch=batch["num_items_in_batch"])
+    loss.backward()
+    grads = lora_grads(model)
+
+    torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-7)
+    assert grads.keys() == trl_grads.keys() and len(grads) == 2 * 3 * 2  # 2 layers x 3 modules x (A, B)
+    for name, grad in grads.items():
+        assert float(grad.abs().max()) > 0, name
+        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+    trl_names = {"losses/clipfrac_low": "clip_ratio/low_mean", "losses/clipfrac_high": "clip_ratio/high_mean",
+                 "losses/clipfrac": "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean",
+                 "losses/kl": "kl"}
+    assert {trl_names[k] for k in stats if k in trl_names} == {v for v in trl_names.values() if v in trl_metrics}
+    for key, trl_key in trl_names.items():
+        if key in stats:
+            assert float(stats[key]) == pytest.approx(trl_metrics[trl_key], rel=1e-5, abs=1e-7), key
+    if loss_type in ("grpo", "dapo") and level == "token":  # the batch reaches both sides of the clip range
+        assert float(stats["losses/clipfrac_low"]) > 0 and float(stats["losses/clipfrac_high"]) > 0
+    assert float(stats["losses/approx_kl"]) > 0.01  # ~0.3 nats of noise per token: the policy is not the sampler
+
+
+def test_approx_kl_is_zero_on_policy_and_grows_with_the_distance() -> None:
+    import torch
+
+    from trainer.grpo_loss import approx_kl
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert float(approx_kl(torch.zeros(1, 3), mask)) == 0.0
+    near, far = approx_kl(torch.tensor([[0.1, -0.1, 9.0]]), mask), approx_kl(torch.tensor([[0.5, -0.5, 0.0]]), mask)
+    assert 0 < float(near) < float(far)  # the masked 9.0 is not counted
+    # k3 = r - 1 - log r, averaged over the two sampled tokens
+    assert float(far) == pytest.approx(((math.exp(0.5) - 1 - 0.5) + (math.exp(-0.5) - 1 + 0.5)) / 2)

@@ -1,0 +1,135 @@
+"""What trainer/grpo.py relies on in TRL's private GRPOTrainer methods, checked on a real trainer.
+
+``CapturedGRPOTrainer`` wraps ``_generate_and_score_completions`` (reads and replaces keys of its
+output), ``_get_per_token_logps_and_entropies`` (catches the policy logprobs of the loss's forward)
+and ``_compute_loss`` (logs approx_kl beside it). None of this is TRL's public API: pyproject.toml
+pins TRL to the minor version these tests pass on, and each failure says what changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import tomllib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.grpo import CapturedRollout, captured_trainer_class, passthrough_reward, plan_groups
+from trainer.samples import Sample, SampleBatch
+
+ROOT = Path(__file__).resolve().parent.parent
+CHANGED = "TRL changed what trainer/grpo.py's CapturedGRPOTrainer relies on: "
+
+
+def test_the_installed_trl_is_the_one_pyproject_pins() -> None:
+    import trl
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+    pin = next(Requirement(r) for r in extra if Requirement(r).name == "trl")
+    assert pin.specifier.contains(trl.__version__), (
+        f"trl {trl.__version__} is installed, pyproject.toml pins {pin}: run tests/test_trl_contract.py and "
+        "tests/test_grpo_loss.py on the new version, then move the pin")
+
+
+@pytest.mark.parametrize(("method", "leading"), [
+    ("_generate_and_score_completions", ["self", "inputs"]),
+    ("_get_per_token_logps_and_entropies", ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                            "batch_size", "compute_entropy"]),
+    ("_compute_loss", ["self", "model", "inputs"]),
+])
+def test_the_wrapped_methods_keep_their_signatures(method: str, leading: list[str]) -> None:
+    from trl import GRPOTrainer
+
+    assert hasattr(GRPOTrainer, method), CHANGED + f"GRPOTrainer.{method} is gone"
+    params = list(inspect.signature(getattr(GRPOTrainer, method)).parameters)
+    assert params[:len(leading)] == leading, CHANGED + f"GRPOTrainer.{method}{params} no longer starts with {leading}"
+
+
+def captured_batch() -> SampleBatch:
+    """One group of 4 sequences: env tokens (mask 0) inside one, unknown behaviour logprobs in another."""
+    samples = []
+    for i in range(4):
+        completion = [20 + i, 30, 40, 50, 60][:5 - i % 2]
+        env_mask = [1, 0, 0, 1, 1][:len(completion)] if i == 1 else [1] * len(completion)
+        logprobs = None if i == 3 else [-1.0 - 0.1 * t if m else None for t, m in enumerate(env_mask)]
+        samples.append(Sample("g", f"t{i}", i, 0, [11, 12, 13], completion, env_mask, logprobs, float(i == 0)))
+    return SampleBatch(samples, ["g"], [], "group", 1, 4)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model: Path) -> Any:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    batch = captured_batch()
+    config = GRPOConfig(output_dir=str(tiny_model.parent / "trl-contract-scratch"), report_to="none", use_cpu=True,
+                        bf16=False, disable_tqdm=True, per_device_train_batch_size=4, num_generations=4,
+                        gradient_accumulation_steps=1, max_completion_length=8, mask_truncated_completions=False,
+                        num_iterations=2,  # batches reused: TRL computes old_per_token_logps itself
+                        remove_unused_columns=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
+        trainer = captured_trainer_class()(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+            reward_funcs=[passthrough_reward], args=config,
+            train_dataset=Dataset.from_list([{"prompt": "g", "slot": 0}]),
+            processing_class=AutoTokenizer.from_pretrained(tiny_model),
+            rollout_func=CapturedRollout(batch.samples, plan_groups(batch)),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trainer.advantage_diffs = []
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    return trainer
+
+
+def test_generate_and_score_returns_the_keys_the_wrapper_reads(trainer: Any) -> None:
+    import torch
+    from trl import GRPOTrainer
+
+    rows = [{"prompt": "g", "slot": 0} for _ in range(4)]  # the sampler repeats a row G times (distinct dicts)
+    trainer.rollout_func.rows = rows
+    output = GRPOTrainer._generate_and_score_completions(trainer, rows)  # TRL's own, not our wrapper
+    read = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "advantages",
+            "sampling_per_token_logps", "old_per_token_logps", "num_items_in_batch"]
+    missing = [key for key in read if key not in output]
+    assert not missing, CHANGED + f"_generate_and_score_completions no longer returns {missing}"
+    b, c = 4, 5
+    for key in ["completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps", "old_per_token_logps"]:
+        assert tuple(output[key].shape) == (b, c), CHANGED + f"{key} is {tuple(output[key].shape)}, not (B, C)"
+    assert tuple(output["advantages"].shape) == (b,), CHANGED + "advantages are no longer one per sequence"
+    # env_mask comes back as tool_mask (padding: 1, under completion_mask 0)
+    assert output["tool_mask"][1].tolist() == [1, 0, 0, 1, 1], CHANGED + "the rollout's env_mask is not tool_mask"
+    # the rollout's logprobs come back as sampling_per_token_logps, NaN where the rollout said None
+    captured = output["sampling_per_token_logps"]
+    assert captured[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4]), (
+        CHANGED + "the rollout's logprobs are not sampling_per_token_logps")
+    assert torch.isnan(captured[1, 1]) and torch.isnan(captured[3, :4]).all(), (
+        CHANGED + "unknown logprobs (None) no longer come back as NaN")
+    # advantages of the pass-through rewards [1, 0, 0, 0], grouped by G = 4
+    assert output["advantages"].tolist() == pytest.approx([0.75 / (0.5 + 1e-4), *[-0.25 / (0.5 + 1e-4)] * 3]), (
+        CHANGED + "TRL's advantages no longer come from the rewards the rollout returned")
+
+
+def test_the_wrapper_clips_against_the_captured_logprobs_and_logs_approx_kl(trainer: Any) -> None:
+    import torch
+
+    rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
+    output = trainer._generate_and_score_completions(rows)
+    old = output["old_per_token_logps"]
+    assert old[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4])
+    assert not torch.isnan(old).any()  # unknown: TRL's own old logprobs, never NaN
+    trainer._metrics["train"].clear()
+    loss = trainer._compute_loss(trainer.model, output)
+    assert math.isfinite(loss.item())
+    logged = trainer._metrics["train"]
+    assert len(logged["approx_kl"]) == 1, CHANGED + "_compute_loss no longer makes one policy forward"
+    # the captured logprobs (-1.0 ...) are far from the random policy's (~ -7): the policy is not the sampler
+    assert logged["approx_kl"][0] > 1.0
+    assert "clip_ratio/region_mean" in logged, CHANGED + "clip_ratio/region_mean is no longer logged (losses/clipfrac)"
