@@ -1,7 +1,7 @@
 """Adapter versions on disk and in the store.
 
     from trainer import adapters
-    version, out_dir = adapters.reserve_version(data_dir, "my-agent")   # <data>/adapters/my-agent/<N>/
+    out_dir = adapters.alias_dir(data_dir, "my-agent") / str(version)   # N: reserved in the store first
     result = train_round(base, groups, args, init_adapter=..., out_dir=out_dir, optimizer_state=...)
     with store.session() as session:
         adapters.record_round(session, result, alias="my-agent", version=version, base_model=base)
@@ -15,12 +15,11 @@ Layout of one version (``<data>/adapters/<alias>/<N>/``)::
     optimizer.pt                 optimizer state (AdamW moments + parameter names): the next round of this alias
                                  continues from it when it trains from this version
 
-Version numbers only grow: ``reserve_version`` takes max(N) + 1 by creating the directory
-(exclusive ``mkdir``, so two trainers never get the same N), and a failed round leaves its
-number unused rather than reusing it (an engine name ``alias@N`` always means one adapter,
-which avoids vLLM's stale-prefix-cache bugs on same-name reloads). A round writes into a
-hidden sibling ``.N.partial-*`` and renames it over the reserved directory at the end, so
-``<N>/`` is either empty (reserved, or the round failed) or complete.
+Version numbers come from the store (``adapter_versions``, ``gateway/loop/versions.py``): it
+hands each number out once, also after a failed round, so an engine name ``alias@N`` always
+means one adapter (which avoids vLLM's stale-prefix-cache bugs on same-name reloads). A round
+writes into a hidden sibling ``.N.partial-*`` and renames it over ``<N>/`` at the end, so
+``<N>/`` is absent, empty (the round failed) or complete.
 """
 
 from __future__ import annotations
@@ -57,39 +56,9 @@ def alias_dir(data_dir: str | Path, alias: str) -> Path:
     return Path(data_dir) / "adapters" / alias
 
 
-def versions(data_dir: str | Path, alias: str) -> list[int]:
-    """Version numbers that have a directory (complete or not), ascending."""
-    root = alias_dir(data_dir, alias)
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def is_complete(path: str | Path) -> bool:
     """True when ``path`` holds a loadable PEFT adapter (config + weights)."""
     return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
-
-
-def latest_version(data_dir: str | Path, alias: str) -> tuple[int, Path] | None:
-    """The highest complete version, or None. (The store, not the disk, says which one serves.)"""
-    for n in reversed(versions(data_dir, alias)):
-        path = alias_dir(data_dir, alias) / str(n)
-        if is_complete(path):
-            return n, path
-    return None
-
-
-def reserve_version(data_dir: str | Path, alias: str) -> tuple[int, Path]:
-    """Create the empty directory of the next version and return ``(N, path)``; N starts at 1."""
-    root = alias_dir(data_dir, alias)
-    root.mkdir(parents=True, exist_ok=True)
-    n = (versions(data_dir, alias) or [0])[-1] + 1
-    while True:
-        try:
-            (root / str(n)).mkdir()
-            return n, root / str(n)
-        except FileExistsError:
-            n += 1  # another trainer took it between listing and mkdir
 
 
 def optimizer_state_of(path: str | Path | None) -> Path | None:

@@ -4,6 +4,7 @@
                                                           numbers, pending work, last run of each job,
                                                           reward per version
     GET  /flywheel/v1/aliases/{alias}/versions            every version with training metrics and gate results
+    GET  /flywheel/v1/aliases/{alias}/rewards?since=T     every rewarded conversation: version, reward, time
     POST /flywheel/v1/aliases/{alias}/promote  {"version": N}
     POST /flywheel/v1/aliases/{alias}/rollback {"version": N | null}   null: the version served before
     POST /flywheel/v1/aliases/{alias}/train    {"promote", "group_ids", "args"}   one round now (child process)
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,20 @@ async def list_versions(alias: str, request: Request) -> Response:
     state.router.get(alias)
     return json_response({"alias": alias, "serving": state.router.get(alias).version,
                           "data": await state.store_link.op("versions", alias=alias)})
+
+
+@router.get("/aliases/{alias}/rewards")
+async def list_rewards(alias: str, request: Request) -> Response:
+    """Every finished, rewarded conversation of the alias in the order it closed: version, reward, time."""
+    state = await _admin(request)
+    state.router.get(alias)
+    since = request.query_params.get("since")
+    if since is not None:
+        try:
+            datetime.fromisoformat(since)
+        except ValueError:
+            raise BadRequest("Invalid value for 'since': an ISO 8601 time", param="since") from None
+    return json_response(await state.store_link.op("rewards", alias=alias, since=since))
 
 
 class PromoteRequest(BaseModel):

@@ -1,0 +1,106 @@
+"""The whole loop on the tiny model, through HTTP, with no manual step.
+
+An agent that only knows the OpenAI API asks "Pick a colour." again and again and reports each
+answer's reward (1 for "blue") through the feedback endpoint. The scheduler closes, groups and
+scores the trajectories, trains a round in a child process, passes the candidate through the
+offline gate (the task's reward hook on held-out contexts) and the canary (a sequential test on
+live rewards), and promotes it. The test only sends traffic and watches ``/flywheel/v1/status``
+and ``flywheel status``; it asserts what the loop recorded: the version serving, the gate's
+numbers, each job's last run, and reward per version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.colour_task import ANSWERS, PROMPT, reward_of
+from tests.gateway_process import GatewayProcess
+
+pytestmark = pytest.mark.slow
+
+
+def status(gateway: GatewayProcess) -> dict[str, Any]:
+    entry: dict[str, Any] = httpx.get(f"{gateway.url}/flywheel/v1/status", timeout=60).json()["aliases"][0]
+    return entry
+
+
+def test_traffic_with_feedback_is_trained_gated_and_promoted_by_the_loop(tmp_path: Path) -> None:
+    from tests.support import warm_start
+    from trainer.tiny_model import build_tiny_model
+
+    model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
+    gateway = GatewayProcess(tmp_path, f"""
+[engines.local]
+model = "{model}"
+default_max_tokens = 8
+[aliases.agent]
+engine = "local"
+[groups]
+form_every_s = 1
+min_size = 8
+max_size = 8
+[judge]
+enabled = false
+[train.args]
+learning_rate = 5e-3
+lora_r = 16
+lora_alpha = 32
+precision = "fp32"
+gradient_accumulation_steps = 1
+max_prompt_tokens = 256
+max_completion_tokens = 16
+seed = 0
+[loop]
+tick_s = 0.5
+score_every_s = 1
+min_groups = 4
+[loop.gate]
+contexts = 6
+min_contexts = 3
+holdout_fraction = 0.15
+reward_hook = "tests.colour_task:gate_reward"
+max_tokens = 8
+[loop.canary]
+fraction = 0.5
+max_pairs = 400
+""").start()  # no admin key: the admin API answers loopback callers, the CLI finds the gateway by itself
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 540
+        sent = 0
+        while status(gateway)["serving"]["version"] == 0:
+            assert time.monotonic() < deadline, json.dumps(status(gateway), indent=1)[-4000:]
+            for _ in range(8):
+                reply = client.chat.completions.create(model="gpt-4o", messages=PROMPT, max_tokens=8,
+                                                       temperature=1.0)
+                reward = reward_of(reply.choices[0].message.content or "")
+                httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": reply.id, "reward": reward},
+                           timeout=30).raise_for_status()
+                sent += 1
+        final = status(gateway)
+        version = final["serving"]["row"]
+        gate = version["gate"]
+        assert version["version"] == 1 and version["status"] == "promoted" and version["source"] == "trained"
+        assert gate["offline"]["passed"] and gate["offline"]["contexts"] >= 3
+        assert gate["online"]["decision"] == "better" and gate["online"]["p_better"] <= 0.05
+        assert gate["online"]["mean_candidate"] > gate["online"]["mean_baseline"]
+        for job in ("close_idle", "form_groups", "score", "train", "gate", "ab"):
+            assert job in final["jobs"], (job, final["jobs"].keys())
+        rewards = final["reward_by_version"]["versions"]
+        assert rewards["1"]["mean"] > rewards["0"]["mean"], rewards
+        shown = subprocess.run([sys.executable, "-m", "gateway", "status", "--data-dir", str(gateway.dir / "data")],
+                               capture_output=True, text=True, timeout=120)  # found through gateway.json
+        assert shown.returncode == 0, shown.stderr
+        assert "agent serves version 1" in shown.stdout and "reward per version" in shown.stdout
+        print(f"promoted after {sent} requests; reward by version {rewards}")
+    finally:
+        gateway.stop()
