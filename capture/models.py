@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 2  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 3  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -214,3 +214,17 @@ class JobRun(SQLModel, table=True):
     counts: dict[str, Any] | None = _json()
     detail: str | None = None
     error: str | None = None
+
+
+class EvalMetric(SQLModel, table=True):
+    """An evaluation result a client logged for one version of an alias (the SDK's ``model.log``)."""
+
+    __tablename__ = "eval_metrics"
+    id: str = Field(primary_key=True)
+    alias: str = Field(index=True)
+    version: int = Field(index=True)
+    split: str
+    metric: str
+    value: float
+    n: int = 0
+    created_at: datetime = _ts(index=True)

@@ -40,8 +40,14 @@ def _loop_tables(connection: Any) -> None:
                             "ON adapter_versions (alias, version)"))
 
 
+def _eval_metrics_table(connection: Any) -> None:
+    """2 -> 3: the SDK's ``eval_metrics`` table (``model.log``: evaluation results per alias version)."""
+    SQLModel.metadata.tables["eval_metrics"].create(connection)
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
-MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables)}
+MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
+                                          2: ("sdk: eval_metrics", _eval_metrics_table)}
 
 
 class SchemaError(RuntimeError):

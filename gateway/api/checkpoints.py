@@ -1,0 +1,156 @@
+"""Evaluation results per adapter version, and deleting a version's files (the SDK's ``model.log`` and
+``model.delete_checkpoints``). Served by the store process; every route needs the admin key.
+
+    POST   /flywheel/v1/aliases/{alias}/metrics             {"split": "val", "version": N | null,
+                                                            "metrics": [{"name": "reward", "value": 0.7, "n": 16}]}
+    GET    /flywheel/v1/aliases/{alias}/metrics?split=val    the logged rows, oldest first
+    DELETE /flywheel/v1/aliases/{alias}/versions/{version}   the adapter files go, the status becomes ``deleted``
+
+A metric logged without a version belongs to the version serving the alias then (0: the base
+model). A version may be deleted only when it neither serves (``promoted``) nor is on canary,
+and only when its files are the gateway's own (under ``<data_dir>/adapters/<alias>/``): an adapter
+registered from elsewhere belongs to whoever put it there. Both refusals answer 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, field_validator
+from sqlmodel import col, select
+from starlette.responses import Response
+
+from capture.models import AdapterVersion, EvalMetric, utcnow
+from capture.store import Store
+from capture.turns import new_id
+from gateway.api.common import caught_up_store, json_response, not_found, read_body
+from gateway.errors import NotFound, OpenAIError
+from gateway.protocol import parse_json_object, validate_request
+from gateway.store.state import StoreState
+
+router = APIRouter(prefix="/flywheel/v1")
+
+KEEP_STATUSES = ("promoted", "canary")  # serving now, or on live A/B: their files are in use
+
+
+class LoggedMetric(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    value: float
+    n: int = Field(default=0, ge=0)
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class MetricsLog(BaseModel):
+    split: str = Field(min_length=1, max_length=100)
+    version: int | None = Field(default=None, ge=0)
+    metrics: list[LoggedMetric]
+
+
+def serving_version(store: Store, alias: str) -> int:
+    with store.session() as session:
+        row = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                        AdapterVersion.status == "promoted")
+                           .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
+        return row.version if row is not None else 0
+
+
+def write_metrics(store: Store, alias: str, log: MetricsLog) -> list[dict[str, Any]]:
+    version = log.version if log.version is not None else serving_version(store, alias)
+    now = utcnow()
+    rows = [EvalMetric(id=new_id("eval"), alias=alias, version=version, split=log.split, metric=m.name,
+                       value=m.value, n=m.n, created_at=now) for m in log.metrics]
+    with store.session() as session:
+        session.add_all(rows)
+        session.commit()
+        return [_metric_json(row) for row in rows]
+
+
+def read_metrics(store: Store, alias: str, split: str | None) -> list[dict[str, Any]]:
+    with store.session() as session:
+        query = select(EvalMetric).where(EvalMetric.alias == alias)
+        if split:
+            query = query.where(EvalMetric.split == split)
+        return [_metric_json(row) for row in session.exec(query.order_by(col(EvalMetric.created_at),
+                                                                         col(EvalMetric.id)))]
+
+
+def _metric_json(row: EvalMetric) -> dict[str, Any]:
+    return {"alias": row.alias, "version": row.version, "split": row.split, "metric": row.metric,
+            "value": row.value, "n": row.n, "created_at": row.created_at.isoformat()}
+
+
+def _known_alias(request: Request, alias: str) -> None:
+    aliases = StoreState.of(request).settings.aliases
+    if alias not in aliases:
+        raise NotFound(f"No alias named '{alias}' (aliases: {', '.join(aliases)}).", param="alias")
+
+
+@router.post("/aliases/{alias}/metrics")
+async def log_metrics(alias: str, request: Request) -> Response:
+    state = StoreState.of(request)
+    store, _ = await caught_up_store(request, admin=True)
+    _known_alias(request, alias)
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    validate_request(MetricsLog, body)
+    rows = await asyncio.to_thread(write_metrics, store, alias, MetricsLog.model_validate(body))
+    return json_response({"object": "list", "data": rows})
+
+
+@router.get("/aliases/{alias}/metrics")
+async def list_metrics(alias: str, request: Request) -> Response:
+    store, _ = await caught_up_store(request, admin=True)
+    _known_alias(request, alias)
+    rows = await asyncio.to_thread(read_metrics, store, alias, request.query_params.get("split"))
+    return json_response({"object": "list", "data": rows})
+
+
+class VersionInUse(OpenAIError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "version_in_use"
+
+
+def delete_version_files(store: Store, data_dir: Path, alias: str, version: int) -> dict[str, Any] | None:
+    """Remove a version's adapter directory and mark it ``deleted``; None when the version does not exist."""
+    with store.session() as session:
+        row = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                        AdapterVersion.version == version)).first()
+        if row is None:
+            return None
+        if row.status in KEEP_STATUSES:
+            raise VersionInUse(f"{alias} version {version} is {row.status}: it is in use and is kept. Promote or "
+                               "roll back to another version first.")
+        owned = (data_dir / "adapters" / alias).resolve()
+        path = Path(row.path).resolve()
+        if not path.is_relative_to(owned):
+            raise VersionInUse(f"{alias} version {version} lives at {row.path}, outside the gateway's adapter "
+                               "directory: its files are not the gateway's to delete.", code="not_owned")
+        if row.status != "deleted":
+            shutil.rmtree(path, ignore_errors=True)
+            row.status = "deleted"
+            session.add(row)
+            session.commit()
+        return {"object": "adapter_version.deleted", "alias": alias, "version": version, "deleted": True,
+                "path": row.path}
+
+
+@router.delete("/aliases/{alias}/versions/{version}")
+async def delete_version(alias: str, version: int, request: Request) -> Response:
+    state = StoreState.of(request)
+    store, _ = await caught_up_store(request, admin=True)
+    _known_alias(request, alias)
+    deleted = await asyncio.to_thread(delete_version_files, store, state.settings.data_dir, alias, version)
+    if deleted is None:
+        raise not_found(f"version of {alias}", str(version))
+    return json_response(deleted)
