@@ -113,8 +113,13 @@ class LocalBackend(Gateway):
         return self.path / "gateway.log"
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The gateway process this backend started (None before the first ``register`` and after ``close``)."""
+        return self._process[0] if self._process else None
+
+    @property
     def running(self) -> bool:
-        return bool(self._process) and self._process[0].poll() is None
+        return self.process is not None and self.process.poll() is None
 
     def close(self) -> Closed:
         """Stop the gateway (terminate, wait, kill) and release the connections."""
