@@ -18,7 +18,7 @@ import asyncio
 import inspect
 import traceback
 from collections.abc import Awaitable, Generator, Iterable, Iterator
-from typing import Annotated, Any, cast, overload
+from typing import Annotated, Any, cast
 
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, BeforeValidator, Field
@@ -121,29 +121,19 @@ class TrajectoryGroup(BaseModel):
     exceptions: list[RolloutException] = Field(default_factory=list)
     id: str | None = None
 
-    @overload
-    def __new__(cls, trajectories: Iterable[Trajectory | BaseException], *,
-                metadata: dict[str, MetadataValue] | None = None, exceptions: list[BaseException] | None = None,
-                id: str | None = None) -> TrajectoryGroup: ...
-
-    @overload
-    def __new__(cls, trajectories: Iterable[Awaitable[Trajectory]], *,  # type: ignore[misc]
-                metadata: dict[str, MetadataValue] | None = None, exceptions: list[BaseException] | None = None,
-                id: str | None = None) -> PendingGroup: ...
-
-    def __new__(  # type: ignore[misc]
-            cls, trajectories: Iterable[Trajectory | BaseException] | Iterable[Awaitable[Trajectory]] = (), *,
-            metadata: dict[str, MetadataValue] | None = None, exceptions: list[Any] | None = None,
-            id: str | None = None) -> TrajectoryGroup | PendingGroup:
+    def __new__(cls, trajectories: Iterable[Trajectory | BaseException] | Iterable[Awaitable[Trajectory]] = (), *,
+                metadata: dict[str, MetadataValue] | None = None, exceptions: list[Any] | None = None,
+                id: str | None = None) -> TrajectoryGroup:
         items = list(trajectories)
         if any(inspect.isawaitable(item) for item in items):
-            return PendingGroup(cast(list[Awaitable[Trajectory]], items), metadata=metadata,
-                                exceptions=list(exceptions or []), group_id=id)
+            pending = PendingGroup(cast(list[Awaitable[Trajectory]], items), metadata=metadata,
+                                   exceptions=list(exceptions or []), group_id=id)
+            return cast(TrajectoryGroup, pending)  # typed as the group it yields: both are awaited to one
         group = super().__new__(cls)
         group.__init__(items, metadata=metadata, exceptions=exceptions, id=id)  # type: ignore[misc]
         return group
 
-    def __init__(self, trajectories: Iterable[Trajectory | BaseException] = (), *,
+    def __init__(self, trajectories: Iterable[Trajectory | BaseException] | Iterable[Awaitable[Trajectory]] = (), *,
                  metadata: dict[str, MetadataValue] | None = None, exceptions: list[Any] | None = None,
                  id: str | None = None) -> None:
         if "trajectories" in self.__dict__:  # __new__ built it; Python calls __init__ again with a spent iterable
@@ -159,6 +149,11 @@ class TrajectoryGroup(BaseModel):
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+    def __await__(self) -> Generator[Any, None, TrajectoryGroup]:
+        """A group is already gathered: awaiting it gives itself (so groups and pending groups mix freely)."""
+        return self
+        yield  # a generator that finishes at once
 
 
 class PendingGroup:

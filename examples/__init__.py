@@ -1,0 +1,1 @@
+"""Seed examples: game agents, a support agent, an email-search agent and a deduction puzzle (docs/examples.md)."""

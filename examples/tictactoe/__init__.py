@@ -1,0 +1,1 @@
+"""Tic-tac-toe against a seeded random opponent (docs/examples.md)."""
