@@ -1,0 +1,1 @@
+"""Codenames, the guesser's side, on a small bundled board (docs/examples.md)."""

@@ -1,0 +1,1 @@
+"""A temporal-clue-style deduction puzzle with a checkable answer (docs/examples.md)."""
