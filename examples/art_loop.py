@@ -70,8 +70,7 @@ async def train(options: argparse.Namespace, *, project: str, rollout: Rollout,
             print(f"step {step}: mean reward {curve[-1]:.3f} over {len(rewards)} rollouts", flush=True)
             await model.log(groups, split="train")
             if not options.no_train and groups:
-                result = await backend.train(model, groups, **(
-                    {"learning_rate": options.learning_rate} if options.learning_rate else {}))
+                result = await backend.train(model, groups, learning_rate=options.learning_rate or art.USE_DEFAULT)
                 print(f"step {step}: {result.status}, serving version {result.step}", flush=True)
     return curve
 

@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Awaitable, Generator, Iterable, Iterator
 from typing import Annotated, Any, cast
 
+from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, BeforeValidator, Field
 
@@ -30,7 +31,7 @@ __all__ = ["History", "MetadataValue", "RolloutException", "Trajectory", "Trajec
 
 MetadataValue = float | int | str | bool | None
 Message = dict[str, Any]
-Messages = list[Message]
+Messages = list[ChatCompletionMessageParam]  # what a request's `messages` takes
 MessageOrChoice = Annotated[Choice | Message, Field(union_mode="left_to_right")]
 Tools = list[dict[str, Any]]
 
@@ -62,7 +63,7 @@ class History(BaseModel):
     tools: Tools | None = None
 
     def messages(self) -> Messages:
-        return [choice_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+        return cast(Messages, [choice_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices])
 
 
 class Trajectory(BaseModel):
@@ -86,7 +87,7 @@ class Trajectory(BaseModel):
 
     def messages(self) -> Messages:
         """The conversation as plain messages (each Choice as its assistant message): what a request sends."""
-        return [choice_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+        return cast(Messages, [choice_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices])
 
     def log(self, message: str) -> None:
         self.logs.append(message)
