@@ -135,6 +135,11 @@ class FeedbackSender:
         self.sent.append(response.json())
 
 
+def step_scenarios(options: argparse.Namespace, scenario: Callable[[int], Any]) -> Callable[[int], list[Any]]:
+    """The scenarios of each step: ``groups`` of them, numbered on from ``seed`` (new ones every step)."""
+    return lambda step: [scenario(options.seed + step * options.groups + i) for i in range(options.groups)]
+
+
 async def zero_code(options: argparse.Namespace, *, episode: Callable[[Any], Episode],
                     scenarios: Callable[[int], Sequence[Any]]) -> list[float]:
     """Play ``group_size`` episodes per scenario with a plain client and report each reward as feedback."""
@@ -160,10 +165,10 @@ async def zero_code(options: argparse.Namespace, *, episode: Callable[[Any], Epi
 Main = Callable[[list[str] | None], Coroutine[Any, Any, list[float]]]
 
 
-def zero_code_main(description: str, *, episode: Callable[[Any], Episode],
-                   scenarios: Callable[[argparse.Namespace], Callable[[int], Sequence[Any]]], **defaults: Any) -> Main:
+def zero_code_main(description: str, *, episode: Callable[[Any], Episode], scenario: Callable[[int], Any],
+                   **defaults: Any) -> Main:
     """An example's zero-code entry point: ``await main(argv)`` parses its options and plays; the reward curve."""
     async def main(argv: list[str] | None = None) -> list[float]:
         options = parser(description, **defaults).parse_args(argv)
-        return await zero_code(options, episode=episode, scenarios=scenarios(options))
+        return await zero_code(options, episode=episode, scenarios=step_scenarios(options, scenario))
     return main

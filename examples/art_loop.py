@@ -78,11 +78,10 @@ async def train(options: argparse.Namespace, *, project: str, rollout: Rollout,
 
 
 def explicit_main(description: str, *, project: str, episode: Callable[[Any], Episode],
-                  scenarios: Callable[[argparse.Namespace], Callable[[int], Sequence[Any]]], ruler: bool = False,
-                  **defaults: Any) -> agent.Main:
+                  scenario: Callable[[int], Any], ruler: bool = False, **defaults: Any) -> agent.Main:
     """An example's explicit entry point: ``await main(argv)`` parses its options and trains; the reward curve."""
     async def main(argv: list[str] | None = None) -> list[float]:
         options = agent.parser(description, judge=ruler, **defaults).parse_args(argv)
         return await train(options, project=project, rollout=rollout_of(episode, max_tokens=options.max_tokens),
-                           scenarios=scenarios(options), ruler=ruler)
+                           scenarios=agent.step_scenarios(options, scenario), ruler=ruler)
     return main

@@ -84,7 +84,3 @@ class Turn:
 
     def metrics(self) -> dict[str, float]:
         return {"found": float(self.found), "guesses": float(len(self.guessed)), "assassin": float(self.assassin)}
-
-
-def scenarios(options: Any) -> Any:
-    return lambda step: [Scenario(seed=options.seed + step * options.groups + i) for i in range(options.groups)]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.agent import zero_code_main
-from examples.codenames.env import Turn, scenarios
+from examples.codenames.env import Scenario, Turn
 
-main = zero_code_main(__doc__ or "", episode=Turn, scenarios=scenarios, max_tokens=16)
+main = zero_code_main(__doc__ or "", episode=Turn, scenario=Scenario, max_tokens=16)
 
 if __name__ == "__main__":
     asyncio.run(main(None))

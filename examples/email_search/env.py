@@ -114,6 +114,6 @@ class Search:
                 "answered": float(self.answer is not None), "cited": float(bool(self.sources))}
 
 
-def scenarios(options: Any) -> Any:
-    return lambda step: [QUESTIONS[(options.seed + step * options.groups + i) % len(QUESTIONS)]
-                         for i in range(options.groups)]
+def question(number: int) -> Question:
+    """Scenario ``number``: the questions in turn."""
+    return QUESTIONS[number % len(QUESTIONS)]

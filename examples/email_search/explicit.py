@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.art_loop import explicit_main
-from examples.email_search.env import Search, scenarios
+from examples.email_search.env import Search, question
 
-main = explicit_main(__doc__ or "", project="email-search", episode=Search, scenarios=scenarios, ruler=True,
+main = explicit_main(__doc__ or "", project="email-search", episode=Search, scenario=question, ruler=True,
                      max_tokens=256)
 
 if __name__ == "__main__":

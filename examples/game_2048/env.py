@@ -102,7 +102,3 @@ class Game:
 
     def metrics(self) -> dict[str, float]:
         return {"moves": float(self.moves), "max_tile": float(self.max_tile()), "invalid": float(self.invalid)}
-
-
-def scenarios(options: Any) -> Any:
-    return lambda step: [Scenario(seed=options.seed + step * options.groups + i) for i in range(options.groups)]

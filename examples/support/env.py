@@ -178,6 +178,6 @@ class Conversation:
                 "replies": float(len(self.replies))}
 
 
-def scenarios(options: Any) -> Any:
-    """Each step cycles through the tasks, ``groups`` at a time."""
-    return lambda step: [TASKS[(options.seed + step * options.groups + i) % len(TASKS)] for i in range(options.groups)]
+def task(number: int) -> Task:
+    """Scenario ``number``: the tasks in turn."""
+    return TASKS[number % len(TASKS)]

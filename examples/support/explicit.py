@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.art_loop import explicit_main
-from examples.support.env import Conversation, scenarios
+from examples.support.env import Conversation, task
 
-main = explicit_main(__doc__ or "", project="airline-support", episode=Conversation, scenarios=scenarios,
+main = explicit_main(__doc__ or "", project="airline-support", episode=Conversation, scenario=task,
                      max_tokens=256, groups=5)
 
 if __name__ == "__main__":

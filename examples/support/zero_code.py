@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.agent import zero_code_main
-from examples.support.env import Conversation, scenarios
+from examples.support.env import Conversation, task
 
-main = zero_code_main(__doc__ or "", episode=Conversation, scenarios=scenarios, max_tokens=256, groups=5)
+main = zero_code_main(__doc__ or "", episode=Conversation, scenario=task, max_tokens=256, groups=5)
 
 if __name__ == "__main__":
     asyncio.run(main(None))

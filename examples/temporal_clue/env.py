@@ -119,7 +119,3 @@ class Puzzle:
     def metrics(self) -> dict[str, float]:
         return {"solved": float(self.correct == len(FIELDS)), "answered": float(self.answered),
                 "clues": float(len(self.clues))}
-
-
-def scenarios(options: Any) -> Any:
-    return lambda step: [Scenario(seed=options.seed + step * options.groups + i) for i in range(options.groups)]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.art_loop import explicit_main
-from examples.temporal_clue.env import Puzzle, scenarios
+from examples.temporal_clue.env import Puzzle, Scenario
 
-main = explicit_main(__doc__ or "", project="temporal-clue", episode=Puzzle, scenarios=scenarios, max_tokens=1024)
+main = explicit_main(__doc__ or "", project="temporal-clue", episode=Puzzle, scenario=Scenario, max_tokens=1024)
 
 if __name__ == "__main__":
     asyncio.run(main(None))

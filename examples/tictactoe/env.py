@@ -90,8 +90,3 @@ class Game:
     def metrics(self) -> dict[str, float]:
         return {"moves": float(self.moves), "win": float(self.outcome == "win"),
                 "invalid": float(self.outcome == "invalid")}
-
-
-def scenarios(options: Any) -> Any:
-    """The scenarios of each step: ``groups`` seeds, new ones every step."""
-    return lambda step: [Scenario(seed=options.seed + step * options.groups + i) for i in range(options.groups)]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.art_loop import explicit_main
-from examples.tictactoe.env import Game, scenarios
+from examples.tictactoe.env import Game, Scenario
 
-main = explicit_main(__doc__ or "", project="tic-tac-toe", episode=Game, scenarios=scenarios, max_tokens=16)
+main = explicit_main(__doc__ or "", project="tic-tac-toe", episode=Game, scenario=Scenario, max_tokens=16)
 
 if __name__ == "__main__":
     asyncio.run(main(None))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from examples.agent import zero_code_main
-from examples.tictactoe.env import Game, scenarios
+from examples.tictactoe.env import Game, Scenario
 
-main = zero_code_main(__doc__ or "", episode=Game, scenarios=scenarios, max_tokens=16)
+main = zero_code_main(__doc__ or "", episode=Game, scenario=Scenario, max_tokens=16)
 
 if __name__ == "__main__":
     asyncio.run(main(None))

@@ -26,13 +26,12 @@ which attempts compete. Every member is closed and gets two ``scores`` rows: ``s
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 from sqlmodel import Session, col, select
 from starlette.responses import Response
 
@@ -54,14 +53,7 @@ class UploadedTrajectory(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     choices: list[int] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    reward: float
-
-    @field_validator("reward")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+    reward: float = Field(allow_inf_nan=False)
 
 
 class UploadedGroup(BaseModel):
