@@ -7,8 +7,9 @@
     DELETE /flywheel/v1/aliases/{alias}/versions/{version}   the adapter files go, the status becomes ``deleted``
 
 A metric logged without a version belongs to the version serving the alias then (0: the base
-model). A version may be deleted only when it neither serves (``promoted``) nor is on canary,
-and only when its files are the gateway's own (under ``<data_dir>/adapters/<alias>/``): an adapter
+model). A version may be deleted only when it is not in use — not serving (``promoted``), not
+training, waiting for its gate or on canary (``gateway/loop/versions.py: IN_FLIGHT``) — and only
+when its files are the gateway's own (under ``<data_dir>/adapters/<alias>/``): an adapter
 registered from elsewhere belongs to whoever put it there. Both refusals answer 409.
 """
 
@@ -24,17 +25,18 @@ from pydantic import BaseModel, Field
 from sqlmodel import col, select
 from starlette.responses import Response
 
-from capture.models import AdapterVersion, EvalMetric, utcnow
+from capture.models import EvalMetric, utcnow
 from capture.store import Store
 from capture.turns import new_id
 from gateway.api.common import caught_up_store, json_response, not_found, read_body
 from gateway.errors import NotFound, OpenAIError
+from gateway.loop import versions
 from gateway.protocol import parse_json_object, validate_request
 from gateway.store.state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 
-KEEP_STATUSES = ("promoted", "canary")  # serving now, or on live A/B: their files are in use
+KEEP_STATUSES = ("promoted", *versions.IN_FLIGHT)  # serving, or on its way to serve: its files are in use
 
 
 class LoggedMetric(BaseModel):
@@ -49,20 +51,15 @@ class MetricsLog(BaseModel):
     metrics: list[LoggedMetric]
 
 
-def serving_version(store: Store, alias: str) -> int:
-    with store.session() as session:
-        row = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                        AdapterVersion.status == "promoted")
-                           .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
-        return row.version if row is not None else 0
-
-
 def write_metrics(store: Store, alias: str, log: MetricsLog) -> list[dict[str, Any]]:
-    version = log.version if log.version is not None else serving_version(store, alias)
     now = utcnow()
-    rows = [EvalMetric(id=new_id("eval"), alias=alias, version=version, split=log.split, metric=m.name,
-                       value=m.value, n=m.n, created_at=now) for m in log.metrics]
     with store.session() as session:
+        version = log.version
+        if version is None:
+            serving = versions.serving(session, alias)
+            version = serving.version if serving is not None else 0
+        rows = [EvalMetric(id=new_id("eval"), alias=alias, version=version, split=log.split, metric=m.name,
+                           value=m.value, n=m.n, created_at=now) for m in log.metrics]
         session.add_all(rows)
         session.commit()
         return [_metric_json(row) for row in rows]
@@ -116,13 +113,13 @@ class VersionInUse(OpenAIError):
 def delete_version_files(store: Store, data_dir: Path, alias: str, version: int) -> dict[str, Any] | None:
     """Remove a version's adapter directory and mark it ``deleted``; None when the version does not exist."""
     with store.session() as session:
-        row = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                        AdapterVersion.version == version)).first()
-        if row is None:
+        try:
+            row = versions.get(session, alias, version)
+        except versions.VersionError:
             return None
         if row.status in KEEP_STATUSES:
-            raise VersionInUse(f"{alias} version {version} is {row.status}: it is in use and is kept. Promote or "
-                               "roll back to another version first.")
+            raise VersionInUse(f"{alias} version {version} is {row.status}: it is in use and is kept. Promote, "
+                               "roll back or wait for its gate first.")
         owned = (data_dir / "adapters" / alias).resolve()
         path = Path(row.path).resolve()
         if not path.is_relative_to(owned):

@@ -11,7 +11,8 @@ local HF cache, a model directory, or ``"tiny"`` (the offline test model), with 
 (transformers + peft; CPU or GPU) — or, given ``vllm_base_url``, through a vLLM server started with
 ``--enable-lora`` (the gateway hot-loads each new adapter into it; training loads ``base_model``
 locally). Registering a model the running gateway does not serve yet restarts it with the new
-configuration; the data (``path``/data) persists across restarts and runs.
+configuration; the data (``path``/data) persists across restarts and runs. The gateway's own loop
+is off: every training step is one the program asks for, served at once, as in ART.
 
 The child is stopped by ``close()``, by leaving the ``with`` block, and at interpreter exit:
 terminate, wait, then kill — always the process this object started, never one found by name.
@@ -149,6 +150,8 @@ class LocalBackend(Gateway):
         """The gateway's TOML configuration for the registered models."""
         lines = [f"data_dir = {_toml(str(self.path / 'data'))}", 'log_level = "warning"',
                  f"[routing]\ndefault = {_toml(next(iter(self.models)))}"]
+        if "[loop" not in self.extra_config:  # ART's steps only: the loop would train (and gate) the same groups
+            lines.append("[loop]\nenabled = false")
         if self.vllm_base_url:
             lines.append(f"[engines.vllm]\nbase_url = {_toml(self.vllm_base_url)}")
         engines = {base: f"local{i}" for i, base in enumerate(dict.fromkeys(self.models.values()))}
