@@ -8,7 +8,7 @@ import duckdb
 import pytest
 
 from capture.assembler import StreamAssembler
-from capture.models import SCHEMA_VERSION, AdapterVersion, JobRun, SchemaMeta
+from capture.models import SCHEMA_VERSION, AdapterVersion, EvalMetric, JobRun, SchemaMeta
 from capture.store import SchemaError, Store
 
 
@@ -80,6 +80,7 @@ def test_a_version_1_store_is_migrated_to_2_and_keeps_its_rows(tmp_path: Path) -
     Store(path).close()
     with duckdb.connect(str(path)) as connection:  # take the file back to what schema 1 had
         connection.execute("DROP TABLE job_runs")
+        connection.execute("DROP TABLE eval_metrics")  # schema 3's
         for index in ("uq_adapter_versions_alias_version", "ix_adapter_versions_alias", "ix_adapter_versions_status"):
             connection.execute(f"DROP INDEX {index}")  # DuckDB drops no column of an indexed table
         for column in ("source", "previous_version", "decided_at", "reason", "gate"):
@@ -91,12 +92,32 @@ def test_a_version_1_store_is_migrated_to_2_and_keeps_its_rows(tmp_path: Path) -
         connection.execute("UPDATE schema_meta SET value = '1' WHERE key = 'schema_version'")
     store = Store(path)
     try:
-        assert store.schema_version() == 2
+        assert store.schema_version() == SCHEMA_VERSION
         with store.session() as session:
             row = session.get(AdapterVersion, "adv_1")
             assert row is not None and (row.version, row.status, row.source) == (1, "promoted", "trained")
             session.add(JobRun(id="job_1", job="train", alias="agent"))
             session.commit()
             assert session.get(SchemaMeta, "migration:2") is not None
+    finally:
+        store.close()
+
+
+def test_a_version_2_store_gains_the_eval_metrics_table(tmp_path: Path) -> None:
+    """The SDK's migration: eval_metrics appears (model.log writes there), nothing else changes."""
+    path = tmp_path / "s.duckdb"
+    Store(path).close()
+    with duckdb.connect(str(path)) as connection:
+        connection.execute("DROP TABLE eval_metrics")
+        connection.execute("UPDATE schema_meta SET value = '2' WHERE key = 'schema_version'")
+    store = Store(path)
+    try:
+        assert store.schema_version() == 3
+        with store.session() as session:
+            session.add(EvalMetric(id="eval_1", alias="agent", version=1, split="val", metric="reward", value=0.5,
+                                   n=4))
+            session.commit()
+            meta = session.get(SchemaMeta, "migration:3")
+            assert meta is not None and meta.value == "sdk: eval_metrics"
     finally:
         store.close()
