@@ -69,14 +69,11 @@ def test_autorl_judges_groups_of_rollouts_on_generated_inputs(gateway: GatewayPr
         assert len({t["group_key"] for t in captured}) == 3 and len(captured) == 6
 
 
-def test_autorl_says_what_is_wrong_in_one_line(gateway: GatewayProcess, tmp_path: Path) -> None:
+def test_autorl_says_what_is_wrong_in_one_line(gateway: GatewayProcess) -> None:
     with ScriptedOpenAI(reply=lambda body: Reply(content="I cannot think of any.")) as generator:
         silent = autorl(gateway, "--input-model", "openai/writer", "--input-api-base", generator.base_url)
     assert silent.returncode == 2 and silent.stderr.count("\n") == 1
     assert "gave 0 usable inputs" in silent.stderr
     missing = autorl(gateway, "--agent", "examples.nothing_here:rollout")
-    assert missing.returncode == 2
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert missing.stderr.startswith("error: --agent: cannot import 'examples.nothing_here'")
-    nowhere = subprocess.run([sys.executable, "-m", "gateway", "autorl", "--task", TASK, "--alias", "baker",
-                              "--gateway", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=120)
-    assert nowhere.returncode == 2 and "no gateway answers" in nowhere.stderr and "Traceback" not in nowhere.stderr

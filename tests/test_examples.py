@@ -139,10 +139,10 @@ def rewarded(gateway: GatewayProcess) -> int:
                                      support_zero_code], ids=lambda m: m.__name__.split(".")[1])
 async def test_zero_code_examples_report_every_episode(gateway: GatewayProcess, example: Any) -> None:
     before = rewarded(gateway)
-    curve = await example.main(["--base-url", f"{gateway.url}/v1", "--steps", "1", "--groups", "2", "--group-size",
+    curve = await example.main(["--base-url", f"{gateway.url}/v1", "--steps", "1", "--groups", "1", "--group-size",
                                 "2", "--max-tokens", "6"])
     assert len(curve) == 1
-    assert rewarded(gateway) == before + 4
+    assert rewarded(gateway) == before + 2
 
 
 def logged_rows(gateway: GatewayProcess) -> int:
@@ -154,7 +154,7 @@ def logged_rows(gateway: GatewayProcess) -> int:
                          ids=lambda m: m.__name__.split(".")[1])
 async def test_explicit_examples_gather_and_log(gateway: GatewayProcess, example: Any) -> None:
     before = logged_rows(gateway)
-    curve = await example.main(["--gateway", gateway.url, "--admin-key", ADMIN_KEY, "--steps", "1", "--groups", "2",
+    curve = await example.main(["--gateway", gateway.url, "--admin-key", ADMIN_KEY, "--steps", "1", "--groups", "1",
                                 "--group-size", "2", "--max-tokens", "6", "--no-train"])
     assert len(curve) == 1
     assert logged_rows(gateway) > before

@@ -1,24 +1,38 @@
-"""The SDK's helpers and admin client through a real gateway (tiny model, local engine, keys on).
+"""The SDK through one real gateway (tiny model, local engine, keys on): helpers, admin client, ART's API.
 
-Tagging scopes (sync and async, concurrent on one client), feedback, the admin client and its
-errors, and the groups route: captured members found by their last choice, hand-built ones stored
-as ``sdk`` turns (redacted), client rewards, refusals with the parameter named.
+- Tagging scopes (sync and async, concurrent on one client), feedback, the admin client and its errors.
+- The groups route: captured members found by their last choice, hand-built ones stored as ``sdk``
+  turns (redacted), client rewards, refusals with the parameter named.
+- ART code runs with ``import flywheel as art``: a rollout written against ART's documented API
+  (the client from ``model.openai_client()``, the Choice appended to ``messages_and_choices``,
+  ``trajectory.messages()`` as the request, ``gather_trajectory_groups`` over
+  ``TrajectoryGroup(rollout(...) for _ in range(n))``, RULER from ``art.rewards`` in ``after_each``),
+  unchanged but for the import lines; the judge is a scripted server on loopback.
+- ART's loop: two training steps on the tiny model serve versions 1 and 2 (``model.train`` with a
+  ``TrainConfig``, then ``backend.train`` with ART's newer keyword arguments); ``model.log`` per
+  version; ``delete_checkpoints`` keeps the best and the latest; the serving version is never deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import flywheel
+import flywheel as art
 import httpx
 import openai
 import pytest
+from flywheel.rewards import ruler_score_group
 
+from judge import JudgeCallError
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
+from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import free_port
 
 QUESTION = [{"role": "user", "content": "Pick a number."}]
@@ -35,6 +49,14 @@ engine = "local"
 [auth]
 api_keys = ["{CLIENT_KEY}"]
 admin_key = "{ADMIN_KEY}"
+[train.args]
+lora_r = 8
+lora_alpha = 16
+precision = "fp32"
+gradient_accumulation_steps = 1
+max_prompt_tokens = 128
+max_completion_tokens = 16
+seed = 0
 """, name="sdk").start()
     yield process
     process.stop()
@@ -230,16 +252,176 @@ async def test_model_log_stores_metrics_for_the_serving_version(gateway: Gateway
                                                                 admin: flywheel.Gateway) -> None:
     model = flywheel.TrainableModel(name="agent", project="sdk-tests", base_model="tiny")
     await model.register(admin)
-    assert model.inference_base_url == f"{gateway.url}/v1" and await model.get_step() == 0
+    assert model.inference_base_url == f"{gateway.url}/v1"
+    step = await model.get_step()
     evaluated = [flywheel.Trajectory(messages_and_choices=[], reward=r, metrics={"moves": m})
                  for r, m in ((1.0, 3), (0.0, 5))]
-    await model.log([flywheel.TrajectoryGroup(evaluated, exceptions=[RuntimeError("timeout")])], split="val")
-    rows = {row["metric"]: row for row in admin.eval_metrics("agent", split="val")}
+    await model.log([flywheel.TrajectoryGroup(evaluated, exceptions=[RuntimeError("timeout")])], split="test")
+    rows = {row["metric"]: row for row in admin.eval_metrics("agent", split="test")}
     assert {name: (row["value"], row["n"], row["version"]) for name, row in rows.items()} == {
-        "reward": (0.5, 2, 0), "moves": (4.0, 2, 0), "exceptions": (1.0, 3, 0)}
+        "reward": (0.5, 2, step), "moves": (4.0, 2, step), "exceptions": (1.0, 3, step)}
 
 
 async def test_registering_a_model_the_gateway_does_not_serve_says_which_it_does(admin: flywheel.Gateway) -> None:
     model = flywheel.TrainableModel(name="gpt-4o", project="sdk-tests", base_model="tiny")
     with pytest.raises(flywheel.NotFoundError, match="aliases: agent"):
         await model.register(admin)
+
+
+# -- ART code, unchanged but for its imports
+
+
+@dataclass
+class Scenario:
+    id: int
+    question: str
+
+
+async def rollout(model: art.Model, scenario: Scenario) -> art.Trajectory:
+    """A one-turn rollout the way ART's documentation writes one."""
+    client = model.openai_client()
+    trajectory = art.Trajectory(
+        messages_and_choices=[{"role": "system", "content": "Answer in one word."}],
+        metadata={"scenario_id": scenario.id},
+        reward=0,
+    )
+    trajectory.messages_and_choices.append({"role": "user", "content": scenario.question})
+    chat_completion = await client.chat.completions.create(
+        model=model.name, messages=trajectory.messages(), max_completion_tokens=4)
+    choice = chat_completion.choices[0]
+    trajectory.messages_and_choices.append(choice)
+    # The environment's verdict (here: made up, so the judge has something to rank).
+    verdict = "good " * (len(choice.message.content or "") % 3)
+    trajectory.messages_and_choices.append({"role": "user", "content": f"Verdict: {verdict}".strip()})
+    trajectory.reward = 1.0 if verdict else 0.0
+    trajectory.metrics["answer_chars"] = len(choice.message.content or "")
+    return trajectory
+
+
+@pytest.fixture
+def judge() -> Iterator[ScriptedJudge]:
+    with ScriptedJudge() as server:
+        yield server
+
+
+async def test_an_art_rollout_runs_unchanged(gateway: GatewayProcess, judge: ScriptedJudge) -> None:
+    backend = art.Gateway(gateway.url, admin_key=ADMIN_KEY, api_key=CLIENT_KEY)
+    model = art.TrainableModel(name="agent", project="art-compat", base_model="tiny")
+    await model.register(backend)
+    scenarios = [Scenario(1, "Colour of the sky?"), Scenario(2, "Opposite of up?")]
+    judge_params = {"api_base": judge.base_url, "api_key": "unused"}
+
+    groups = await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(rollout(model, scenario) for _ in range(3)) for scenario in scenarios),
+        pbar_desc="gather",
+        max_exceptions=0,
+        after_each=lambda group: ruler_score_group(group, "openai/judge", extra_litellm_params=judge_params,
+                                                   swallow_exceptions=True),
+    )
+
+    assert [len(group) for group in groups] == [3, 3]
+    for group in groups:
+        for trajectory in group:
+            verdict = trajectory.messages()[-1]["content"]
+            goods = verdict.count("good")
+            assert trajectory.metrics["ruler_score"] == trajectory.reward == pytest.approx(goods / (goods + 1),
+                                                                                       abs=1e-4)
+            assert trajectory.metrics["independent_reward"] == (1.0 if goods else 0.0)
+            assert trajectory.logs and trajectory.logs[-1].startswith("RULER explanation:")
+            assert trajectory.id is not None  # each rollout's calls carried its own trajectory id
+    assert len(judge.requests) == 2
+
+    stored = [backend.record_group(model.name, group) for group in groups]
+    for group, answer in zip(groups, stored, strict=True):
+        assert [m["trajectory_id"] for m in answer["members"]] == [t.id for t in group]
+        assert answer["key"] == group.id
+        for member in answer["members"]:
+            assert backend.trajectory(member["trajectory_id"])["group_key"] == group.id
+    backend.close()
+
+
+async def test_a_failed_judging_drops_the_group_or_raises(gateway: GatewayProcess) -> None:
+    backend = art.Gateway(gateway.url, admin_key=ADMIN_KEY, api_key=CLIENT_KEY)
+    model = art.TrainableModel(name="agent", project="art-compat", base_model="tiny")
+    await model.register(backend)
+    with ScriptedJudge(faults=["http400", "http400"]) as judge:
+        params = {"api_base": judge.base_url, "api_key": "unused"}
+        groups = await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(model, Scenario(3, "Two plus two?")) for _ in range(2))],
+            after_each=lambda g: ruler_score_group(g, "openai/judge", extra_litellm_params=params,
+                                                   swallow_exceptions=True))
+        assert groups == []
+        group = await art.TrajectoryGroup(rollout(model, Scenario(3, "Two plus two?")) for _ in range(2))
+        with pytest.raises(JudgeCallError):
+            await ruler_score_group(group, "openai/judge", extra_litellm_params=params)
+    await backend.close()
+
+
+# -- ART's training loop
+
+
+QUESTIONS = ["Name a fruit.", "Name a colour."]
+
+
+async def answer(model: flywheel.Model, question: str) -> flywheel.Trajectory:
+    trajectory = flywheel.Trajectory(messages_and_choices=[{"role": "user", "content": question}], reward=0)
+    completion = await model.openai_client().chat.completions.create(
+        model=model.name, messages=trajectory.messages(), max_tokens=6, temperature=1.0)
+    trajectory.messages_and_choices.append(completion.choices[0])
+    return trajectory
+
+
+async def ranked(group: flywheel.TrajectoryGroup) -> flywheel.TrajectoryGroup:
+    """Rewards by rank of answer length (ties by position): distinct in every group, so GRPO has a signal."""
+    order = sorted(range(len(group)), key=lambda i: (len(group.trajectories[i].messages()[-1]["content"] or ""), i))
+    for rank, index in enumerate(order):
+        group.trajectories[index].reward = rank / (len(group) - 1)
+    return group
+
+
+async def gather(model: flywheel.TrainableModel) -> list[flywheel.TrajectoryGroup]:
+    return await flywheel.gather_trajectory_groups(
+        (flywheel.TrajectoryGroup(answer(model, q) for _ in range(3)) for q in QUESTIONS), after_each=ranked)
+
+
+def evaluated(reward: float) -> flywheel.TrajectoryGroup:
+    return flywheel.TrajectoryGroup([flywheel.Trajectory(messages_and_choices=[], reward=reward)])
+
+
+async def test_two_art_steps_serve_two_versions(gateway: GatewayProcess) -> None:
+    backend = flywheel.Gateway(gateway.url, admin_key=ADMIN_KEY, api_key=CLIENT_KEY)
+    model = flywheel.TrainableModel(name="agent", project="sdk-train", base_model="tiny")
+    await model.register(backend)
+    assert await model.get_step() == 0  # the tests above trained nothing
+
+    first = await model.train(await gather(model), config=flywheel.TrainConfig(learning_rate=1e-3))
+    assert (first.status, first.step, first.promoted) == ("finished", 1, True)
+    assert first.checkpoint_path is not None and (Path(first.checkpoint_path) / "adapter_config.json").is_file()
+    assert "losses/loss" in first.metrics
+    await model.log([evaluated(0.2)], split="val")
+
+    second = await backend.train(model, await gather(model), learning_rate=1e-3, epsilon_high=0.28,
+                                 scale_rewards=False)
+    assert (second.status, second.step) == ("finished", 2)
+    assert await model.get_step() == 2
+    assert backend.alias("agent")["adapter"] == "agent@2"
+    assert second.checkpoint_path is not None
+    resolved = json.loads((Path(second.checkpoint_path) / "flywheel_round.json").read_text())["config"]["args"]
+    assert (resolved["epsilon_high"], resolved["advantage_scale"], resolved["learning_rate"]) == (0.28, "none", 1e-3)
+    await model.log([evaluated(0.8)], split="val")
+
+    statuses = {v["version"]: v["status"] for v in backend.versions("agent")}
+    assert statuses == {1: "retired", 2: "promoted"}
+    await model.delete_checkpoints("val/reward")  # the best is the latest: version 1 goes
+    statuses = {v["version"]: v["status"] for v in backend.versions("agent")}
+    assert statuses == {1: "deleted", 2: "promoted"}
+    assert not Path(first.checkpoint_path).exists() and Path(second.checkpoint_path).exists()
+    with pytest.raises(flywheel.GatewayError) as refused:
+        backend.delete_version("agent", 2)
+    assert (refused.value.status_code, refused.value.code) == (409, "version_in_use")
+    with pytest.raises(flywheel.NotFoundError):
+        backend.delete_version("agent", 9)
+    reply = await model.openai_client().chat.completions.create(model="agent", max_tokens=2,
+                                                                messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None  # version 2 still serves
+    await backend.close()

@@ -30,12 +30,12 @@ async def test_the_gateway_serves_the_model_and_stops_when_the_rollout_raises(ti
 
 
 async def test_a_gateway_that_cannot_start_is_reported_with_its_log(tmp_path: Path) -> None:
-    backend = LocalBackend(path=tmp_path / "broken", startup_timeout_s=120)
-    model = flywheel.TrainableModel(name="agent", project="sdk-local", base_model=str(tmp_path / "no-such-model"))
+    backend = LocalBackend(path=tmp_path / "broken", extra_config='max_body_bytes = "lots"', startup_timeout_s=120)
+    model = flywheel.TrainableModel(name="agent", project="sdk-local", base_model="tiny")
     try:
-        with pytest.raises(flywheel.GatewayStartError, match="exited with status") as info:
+        with pytest.raises(flywheel.GatewayStartError, match="exited with status 2") as info:
             await model.register(backend)
-        assert "no-such-model" in str(info.value)
+        assert "max_body_bytes" in str(info.value)  # the gateway's own one-line error, from its log
     finally:
         await backend.close()
     assert backend.process is None

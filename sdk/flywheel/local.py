@@ -149,6 +149,7 @@ class LocalBackend(Gateway):
     def configuration(self) -> str:
         """The gateway's TOML configuration for the registered models."""
         lines = [f"data_dir = {_toml(str(self.path / 'data'))}", 'log_level = "warning"',
+                 self.extra_config,  # before the tables below: its top-level keys stay top-level
                  f"[routing]\ndefault = {_toml(next(iter(self.models)))}"]
         if "[loop" not in self.extra_config:  # ART's steps only: the loop would train (and gate) the same groups
             lines.append("[loop]\nenabled = false")
@@ -163,8 +164,6 @@ class LocalBackend(Gateway):
                 lines.append(f"[aliases.{_toml(alias)}]\nengine = {_toml(engines[base])}")
         if not self.vllm_base_url:
             lines += [f"[engines.{name}]\nmodel = {_toml(base)}" for base, name in engines.items()]
-        if self.extra_config:
-            lines.append(self.extra_config)
         return "\n".join(lines) + "\n"
 
     def restart(self) -> None:
