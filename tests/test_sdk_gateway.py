@@ -412,6 +412,10 @@ async def test_two_art_steps_serve_two_versions(gateway: GatewayProcess) -> None
 
     statuses = {v["version"]: v["status"] for v in backend.versions("agent")}
     assert statuses == {1: "retired", 2: "promoted"}
+    assert backend.rollback("agent")["version"] == 1 and await model.get_step() == 1
+    assert backend.promote("agent", 2)["version"] == 2 and await model.get_step() == 2
+    (status,) = backend.status()["aliases"]
+    assert (status["alias"], status["serving"]["version"]) == ("agent", 2)
     await model.delete_checkpoints("val/reward")  # the best is the latest: version 1 goes
     statuses = {v["version"]: v["status"] for v in backend.versions("agent")}
     assert statuses == {1: "deleted", 2: "promoted"}
