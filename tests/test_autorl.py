@@ -1,7 +1,8 @@
 """``flywheel autorl``: inputs from a generator model, rollouts through the gateway, RULER, groups stored.
 
 The input generator and the judge are small OpenAI-compatible servers on loopback; the agent is the
-tiny model behind a real gateway. The command runs as the operator runs it (a subprocess).
+tiny model behind a real gateway with client keys on. The command runs as the operator runs it (a
+subprocess).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import flywheel
 import pytest
 
-from tests.conftest import ADMIN_KEY
+from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
@@ -35,6 +36,7 @@ default_max_tokens = 4
 [aliases.baker]
 engine = "local"
 [auth]
+api_keys = ["{CLIENT_KEY}"]
 admin_key = "{ADMIN_KEY}"
 """, name="autorl").start()
     yield process
@@ -44,8 +46,8 @@ admin_key = "{ADMIN_KEY}"
 def autorl(gateway: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway", "autorl", "--task", TASK, "--alias", "baker",
                            "--config", str(gateway.config_file), "--gateway", gateway.url, "--admin-key", ADMIN_KEY,
-                           "--max-tokens", "4", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OPENAI_API_KEY": "unused"})
+                           "--api-key", CLIENT_KEY, "--max-tokens", "4", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OPENAI_API_KEY": "unused"})
 
 
 def generator_reply(body: dict[str, Any]) -> Reply:

@@ -127,6 +127,9 @@ async def run(backend: flywheel.Gateway, alias: str, agent: Agent, inputs: list[
 def autorl(task: Annotated[str, typer.Option(help="What the agent is for, in plain words (its system prompt).")],
            alias: Annotated[str, typer.Option("--alias", help="The alias to train.")],
            config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
+           api_key: Annotated[str | None, typer.Option(
+               "--api-key", envvar="FLYWHEEL_API_KEY", show_default=False,
+               help="A client key of the gateway, for the agent's calls (default: $FLYWHEEL_API_KEY).")] = None,
            agent: Annotated[str | None, typer.Option(
                help="The agent, as module:function (an ART rollout taking (model, task_input)); default: one answer "
                     "per input.")] = None,
@@ -158,7 +161,8 @@ def autorl(task: Annotated[str, typer.Option(help="What the agent is for, in pla
     judge_params = {"api_base": judge_api_base or judge_settings["api_base"], "api_key": judge_settings["api_key"]}
     if input_model == "gateway":
         generator, generator_params = f"openai/{alias}", {
-            "api_base": f"{location.url}/v1", "api_key": "unused", "extra_headers": {"X-Flywheel-Capture": "off"}}
+            "api_base": f"{location.url}/v1", "api_key": api_key or "unused",
+            "extra_headers": {"X-Flywheel-Capture": "off"}}
     else:
         generator, generator_params = input_model, {"api_base": input_api_base} if input_api_base else {}
     with Console(stderr=True).status(f"{generator} writes {inputs} inputs"):
@@ -169,7 +173,7 @@ def autorl(task: Annotated[str, typer.Option(help="What the agent is for, in pla
     if len(written) < 2:
         fail(f"the input model {generator} gave {len(written)} usable inputs; ask a stronger model (--input-model)")
     typer.echo(f"{len(written)} inputs written; first: {written[0][:100]!r}")
-    with flywheel.Gateway(location.url, admin_key=location.admin_key) as backend:
+    with flywheel.Gateway(location.url, admin_key=location.admin_key, api_key=api_key) as backend:
         try:
             asyncio.run(run(backend, alias, chosen, written, rollouts=rollouts, steps=steps,
                             judge_model=judge_model or settings.judge.model,
