@@ -90,7 +90,7 @@ def parser(description: str, *, steps: int = 10, groups: int = 4, group_size: in
     where = p.add_argument_group("where the model is served")
     where.add_argument("--base-url", help="zero-code: the gateway's OpenAI URL, e.g. http://127.0.0.1:8000/v1")
     where.add_argument("--api-key", default=os.environ.get("FLYWHEEL_API_KEY", "unused"),
-                       help="zero-code: the gateway's client key (default $FLYWHEEL_API_KEY)")
+                       help="the gateway's client key, when it has client keys (default $FLYWHEEL_API_KEY)")
     where.add_argument("--gateway", help="explicit: a running gateway's URL (its alias --model is trained)")
     where.add_argument("--admin-key", default=os.environ.get("FLYWHEEL_ADMIN_KEY"),
                        help="explicit: the gateway's admin key (default $FLYWHEEL_ADMIN_KEY)")

@@ -33,7 +33,7 @@ def rollout_of(episode_of: Callable[[Any], Episode], *, max_tokens: int) -> Roll
 
 def open_backend(options: argparse.Namespace) -> art.Gateway:
     if options.gateway:
-        return art.Gateway(options.gateway, admin_key=options.admin_key)
+        return art.Gateway(options.gateway, admin_key=options.admin_key, api_key=options.api_key)
     return art.LocalBackend(path=options.path, vllm_base_url=options.vllm_base_url)
 
 
