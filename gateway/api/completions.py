@@ -25,7 +25,7 @@ from gateway.api.common import read_body
 from gateway.engines.base import Body, Chunk
 from gateway.errors import OpenAIError, UpstreamError
 from gateway.loop.canary import CanarySplit
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object, validate_request
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from gateway.routing import ServedModel
 from gateway.state import GatewayState
 from gateway.store.capture_plan import CapturePlan, flywheel_headers, plan_capture
@@ -141,8 +141,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     alias = ""
     try:
         key_id = state.auth.client(request)
-        body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-        validate_request(ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest, body)
+        raw = await read_body(request, state.settings.max_body_bytes)
+        body = await parse_request(raw, ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest)
         served = state.router.resolve(body["model"])
         alias = served.alias
         canary = state.router.canaries.get(alias) if endpoint is Endpoint.CHAT else None
