@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import orjson
@@ -37,6 +37,8 @@ router = APIRouter()
 _JSON_MEDIA = "application/json"
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+DISCONNECTED = "client_disconnected"  # finish_reason of a captured choice whose client left mid-stream
+DISCONNECTED_STATUS = "499"  # /metrics status of such a stream (nginx's "client closed request")
 
 
 class Endpoint(StrEnum):
@@ -221,50 +223,105 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         await chunks.aclose()  # type: ignore[attr-defined]
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
-    events = _sse_events(state, served, endpoint, first, chunks, asks, body, started, plan, canary)
-    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    on_candidate = canary is not None and served is canary.served
+    stream_end = (StreamEnd(endpoint, body, plan, canary, on_candidate)
+                  if plan is not None or canary is not None else None)
+    return EventStream(_sse_events(state, served, endpoint, first, chunks, asks, body, started, stream_end))
+
+
+class EventStream(StreamingResponse):
+    """SSE whose event generator is closed the moment the response ends, also when the client left mid-stream.
+
+    On ``http.disconnect`` Starlette stops iterating; closing the generator now runs its cleanup (cancel the
+    engine's generation, count and record the truncated turn) instead of whenever it is garbage-collected.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """A stream's response put back together chunk by chunk, for capture and the canary split."""
+
+    endpoint: Endpoint
+    body: Body
+    plan: CapturePlan | None
+    canary: CanarySplit | None
+    on_candidate: bool
+    assembler: StreamAssembler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.assembler = StreamAssembler(self.endpoint.value)
+
+    def finish(self, store_link: StoreLink, *, truncated: bool) -> None:
+        """Capture the exchange; a truncated one ends every unfinished choice with :data:`DISCONNECTED`, and
+        only a whole answer keeps its conversation on its canary arm (the client never saw the rest)."""
+        response = self.assembler.response()
+        if truncated:
+            for choice in response["choices"]:
+                choice["finish_reason"] = choice["finish_reason"] or DISCONNECTED
+        elif self.canary is not None:
+            remember_answers(self.canary, response, self.on_candidate)
+        if self.plan is not None:
+            store_link.submit(self.plan.exchange(self.body, response))
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
                       chunks: AsyncIterator[Chunk], asks: ClientAsks, body: Body, started: float,
-                      plan: CapturePlan | None, canary: CanarySplit | None) -> AsyncIterator[bytes]:
-    """OpenAI's SSE framing; a failure mid-stream becomes an error event, then ``[DONE]``."""
+                      stream_end: StreamEnd | None) -> AsyncGenerator[bytes, None]:
+    """OpenAI's SSE framing; a failure mid-stream becomes an error event, then ``[DONE]``.
+
+    A client that goes away mid-stream (the generator is cancelled or closed before its end) is counted
+    under :data:`DISCONNECTED_STATUS`, its turn recorded as far as it got, and the engine's stream closed,
+    which stops the generation (the local engine drops the job; the upstream request is closed).
+    """
     status = "200"
-    assembler = StreamAssembler(endpoint.value) if plan is not None or canary is not None else None
+    ended = False  # the engine's stream ended, well or with an error: anything else is a disconnect
     try:
         chunk: Chunk | None = first
         while chunk is not None:
             if not chunk.get("choices"):
                 state.metrics.count_usage(served.alias, chunk.get("usage"))
-            if assembler is not None:
-                assembler.add(chunk)
-            if asks.choices is not None and chunk.get("usage") and assembler is not None:
+            if stream_end is not None:
+                stream_end.assembler.add(chunk)
+            if asks.choices is not None and chunk.get("usage") and stream_end is not None:
                 chunk = {**chunk, "usage": usage_of(chunk["usage"]["prompt_tokens"],
-                                                    assembler.completion_tokens(below=asks.choices))}
+                                                    stream_end.assembler.completion_tokens(below=asks.choices))}
             shaped = _shape_chunk(chunk, asks, body["model"])
             if shaped is not None:
                 yield b"data: " + orjson.dumps(shaped) + b"\n\n"
             chunk = await anext(chunks, None)
+        ended = True
     except OpenAIError as exc:
-        status = str(exc.status_code)
+        ended, status = True, str(exc.status_code)
         state.metrics.errors.labels(status, str(exc.code)).inc()
         yield b"data: " + exc.to_json() + b"\n\n"
     except Exception:
         log.exception("stream failed after it started")
-        status = "500"
+        ended, status = True, "500"
         yield b"data: " + UpstreamError("the engine failed while streaming").to_json() + b"\n\n"
     finally:
         served.in_flight -= 1
         await chunks.aclose()  # type: ignore[attr-defined]
+        if not ended:
+            status = DISCONNECTED_STATUS
+            if stream_end is not None:
+                stream_end.finish(state.store_link, truncated=True)
         state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
         state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
-    yield _DONE
-    if assembler is not None and status == "200":  # after the last byte went out
-        response = assembler.response()
-        if canary is not None:
-            remember_answers(canary, response, served is canary.served)
-        if plan is not None:
-            state.store_link.submit(plan.exchange(body, response))
+    try:
+        yield _DONE
+    finally:  # after the last byte went out, or when the client left just before it
+        if stream_end is not None and status == "200":
+            stream_end.finish(state.store_link, truncated=False)
 
 
 def remember_answers(canary: CanarySplit, response: Body, on_candidate: bool) -> None:
