@@ -162,7 +162,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             asks = replace(asks, choices=client_n)
             to_engine["n"] = client_n + plan.fork_k
         if body.get("stream"):
-            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary)
+            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary, len(raw))
         served.in_flight += 1
         try:
             if endpoint is Endpoint.CHAT:
@@ -182,7 +182,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
     if plan is None:
         return Response(content, media_type=_JSON_MEDIA)
-    return RecordedResponse(content, state.store_link, plan.exchange(body, result))
+    return RecordedResponse(content, state.store_link, plan.exchange(body, result), len(raw))
 
 
 class RecordedResponse(Response):
@@ -194,19 +194,20 @@ class RecordedResponse(Response):
 
     media_type = _JSON_MEDIA
 
-    def __init__(self, content: bytes, store_link: StoreLink, exchange: CapturedExchange) -> None:
+    def __init__(self, content: bytes, store_link: StoreLink, exchange: CapturedExchange, request_bytes: int) -> None:
         super().__init__(content)
         self.store_link = store_link
         self.exchange = exchange
+        self.request_bytes = request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
-        self.store_link.submit(self.exchange)
+        self.store_link.submit(self.exchange, self.request_bytes)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
                   asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None,
-                  canary: CanarySplit | None) -> Response:
+                  canary: CanarySplit | None, request_bytes: int) -> Response:
     """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
     if endpoint is Endpoint.CHAT:
         chunks = served.engine.chat_stream(to_engine)
@@ -224,7 +225,7 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     on_candidate = canary is not None and served is canary.served
-    stream_end = (StreamEnd(endpoint, body, plan, canary, on_candidate)
+    stream_end = (StreamEnd(endpoint, body, request_bytes, plan, canary, on_candidate)
                   if plan is not None or canary is not None else None)
     return EventStream(_sse_events(state, served, endpoint, first, chunks, asks, body, started, stream_end))
 
@@ -253,6 +254,7 @@ class StreamEnd:
 
     endpoint: Endpoint
     body: Body
+    request_bytes: int
     plan: CapturePlan | None
     canary: CanarySplit | None
     on_candidate: bool
@@ -271,7 +273,7 @@ class StreamEnd:
         elif self.canary is not None:
             remember_answers(self.canary, response, self.on_candidate)
         if self.plan is not None:
-            store_link.submit(self.plan.exchange(self.body, response))
+            store_link.submit(self.plan.exchange(self.body, response), self.request_bytes)
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
