@@ -159,8 +159,9 @@ class Preparer:
         context = self._runtime.context
         limit = context - prompt_tokens
         if limit <= 0:
-            raise BadRequest(f"the prompt has {prompt_tokens} tokens; the model's context is {context}",
-                             param="messages" if "messages" in body else "prompt")
+            param = "messages" if "messages" in body else "prompt"
+            raise BadRequest(f"'{param}' is {prompt_tokens} tokens long; the model's context is {context} tokens",
+                             param=param)
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = body.get(key)
         if max_tokens is not None and max_tokens > limit:
