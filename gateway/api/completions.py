@@ -312,13 +312,13 @@ async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoi
         yield b"data: " + UpstreamError("the engine failed while streaming").to_json() + b"\n\n"
     finally:
         served.in_flight -= 1
-        await chunks.aclose()  # type: ignore[attr-defined]
         if not ended:
             status = DISCONNECTED_STATUS
             if stream_end is not None:
                 stream_end.finish(state.store_link, truncated=True)
         state.metrics.requests.labels(endpoint.value, served.alias, status).inc()
         state.metrics.latency.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
+        await chunks.aclose()  # type: ignore[attr-defined]  # last: nothing above may be skipped if it raises
     try:
         yield _DONE
     finally:  # after the last byte went out, or when the client left just before it
