@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 from tests.conftest import CLIENT_KEY
 from tests.gateway_process import GatewayProcess
@@ -60,17 +61,27 @@ def stored_completion(gateway: GatewayProcess, completion_id: str) -> dict[str, 
     return wait_for(probe, f"the stored completion {completion_id}")
 
 
+def local_engine(gateway: GatewayProcess) -> dict[str, Any]:
+    return dict(httpx.get(f"{gateway.url}/healthz", timeout=60).json()["engines"]["local"])
+
+
+def wait_until_idle(local_gateway: GatewayProcess) -> None:
+    """No job left running by an earlier test: what follows counts on the worker's ring being empty."""
+    wait_for(lambda: local_engine(local_gateway)["running_jobs"] == 0, "an idle local engine", timeout_s=120)
+
+
 def assert_worker_idle_after_a_short_request(local_gateway: GatewayProcess) -> None:
     """The worker steps jobs round-robin: had the abandoned job (1500 tokens) not been dropped, it would still
     be running when a 20-token request that started after the disconnect was noticed has finished."""
     short = {"model": "gpt-4o", "messages": LONG["messages"], "max_tokens": 20, "ignore_eos": True}
     answered = httpx.post(f"{local_gateway.url}/v1/chat/completions", json=short, headers=AUTH, timeout=60)
     assert answered.status_code == 200
-    engine = httpx.get(f"{local_gateway.url}/healthz").json()["engines"]["local"]
+    engine = local_engine(local_gateway)
     assert engine["running_jobs"] == 0 and engine["active_requests"] == 0
 
 
 def test_local_engine_disconnect(local_gateway: GatewayProcess) -> None:
+    wait_until_idle(local_gateway)
     before = requests_counted(local_gateway, "499")
     completion_id = leave_after_first_content(local_gateway, "gpt-4o")
     wait_for(lambda: requests_counted(local_gateway, "499") == before + 1, "the disconnect counted as 499")
@@ -83,6 +94,7 @@ def test_local_engine_disconnect(local_gateway: GatewayProcess) -> None:
 
 def test_upstream_engine_disconnect_closes_the_upstream_request(relay_gateway: GatewayProcess,
                                                                 local_gateway: GatewayProcess) -> None:
+    wait_until_idle(local_gateway)
     relay_before, upstream_before = requests_counted(relay_gateway, "499"), requests_counted(local_gateway, "499")
     completion_id = leave_after_first_content(relay_gateway, "relay")
     wait_for(lambda: requests_counted(relay_gateway, "499") == relay_before + 1, "the relay's 499")
@@ -104,3 +116,16 @@ def test_a_stream_read_to_its_end_is_not_a_disconnect(local_gateway: GatewayProc
     completion_id = json.loads(lines[0][len("data: "):])["id"]
     assert stored_completion(local_gateway, completion_id)["choices"][0]["finish_reason"] == "length"
     assert requests_counted(local_gateway, "499") == before
+
+
+def test_a_client_that_leaves_before_a_non_streaming_answer(relay_gateway: GatewayProcess,
+                                                            local_gateway: GatewayProcess) -> None:
+    wait_until_idle(local_gateway)
+    relay_before, upstream_before = requests_counted(relay_gateway, "499"), requests_counted(local_gateway, "499")
+    body = {**LONG, "model": "relay", "stream": False}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 1500 tokens are generated
+        httpx.post(f"{relay_gateway.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    wait_for(lambda: requests_counted(relay_gateway, "499") == relay_before + 1, "the relay's 499")
+    # The relay cancelled its upstream call: the gateway behind it saw its client leave and dropped the job.
+    wait_for(lambda: requests_counted(local_gateway, "499") == upstream_before + 1, "the upstream's 499")
+    assert_worker_idle_after_a_short_request(local_gateway)
