@@ -23,7 +23,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from gateway.errors import BadRequest
 
-OFF_LOOP_BYTES = 1 << 20  # bigger bodies are parsed and validated on a worker thread
+OFF_LOOP_BODY_BYTES = 1 << 20  # bigger bodies are parsed and validated on a worker thread
 MAX_JSON_DEPTH = 64  # a body nests at most this deep; orjson writes at most 254 levels, reads 1024
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -188,10 +188,10 @@ class CompletionRequest(_Sampling):
 
 
 async def parse_request(raw: bytes, model: type[BaseModel]) -> dict[str, Any]:
-    """:func:`parse_json_object` and :func:`validate_request`; a body over :data:`OFF_LOOP_BYTES` on a
+    """:func:`parse_json_object` and :func:`validate_request`; a body over :data:`OFF_LOOP_BODY_BYTES` on a
     worker thread, where the depth walk and validation (Python-level work that grows with the body)
     let the event loop keep serving other requests."""
-    if len(raw) <= OFF_LOOP_BYTES:
+    if len(raw) <= OFF_LOOP_BODY_BYTES:
         return _parse_valid(raw, model)
     return await asyncio.to_thread(_parse_valid, raw, model)
 

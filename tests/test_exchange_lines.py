@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from capture.turns import CapturedExchange
-from gateway.store.exchange_lines import OFF_LOOP_BYTES, dumps_in_pieces, estimated_bytes, line_in_pieces
+from gateway.store.exchange_lines import OFF_LOOP_LINE_BYTES, dumps_in_pieces, estimated_bytes, line_in_pieces
 
 
 def exchange(tokens: int, top: int, prompt: str = "hi") -> CapturedExchange:
@@ -44,6 +44,6 @@ def test_dumps_in_pieces_matches_orjson(value: Any) -> None:
 
 
 def test_what_counts_as_big() -> None:
-    assert estimated_bytes(exchange(10, 0), request_bytes=2_000) < OFF_LOOP_BYTES
-    assert estimated_bytes(exchange(10, 0), request_bytes=2 * OFF_LOOP_BYTES) > OFF_LOOP_BYTES
-    assert estimated_bytes(exchange(5_000, 20), request_bytes=2_000) > OFF_LOOP_BYTES  # logprobs add up
+    assert estimated_bytes(exchange(10, 0), request_bytes=2_000) < OFF_LOOP_LINE_BYTES
+    assert estimated_bytes(exchange(10, 0), request_bytes=2 * OFF_LOOP_LINE_BYTES) > OFF_LOOP_LINE_BYTES
+    assert estimated_bytes(exchange(5_000, 20), request_bytes=2_000) > OFF_LOOP_LINE_BYTES  # logprobs add up

@@ -15,7 +15,7 @@ import orjson
 
 from capture.turns import CapturedExchange
 
-OFF_LOOP_BYTES = 1 << 20  # exchanges estimated bigger than this are serialized off the event loop
+OFF_LOOP_LINE_BYTES = 1 << 20  # exchanges estimated bigger than this are serialized off the event loop
 _PIECE_ITEMS = 256  # list items serialized in one orjson call: well under a millisecond for logprob entries
 _PIECE_DEPTH = 5  # exchange -> response -> choices -> choice -> logprobs -> content entries
 _LOGPROB_ENTRY_BYTES = 64  # roughly what one token's logprob entry (or one top alternative) writes

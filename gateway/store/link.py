@@ -38,7 +38,7 @@ from capture.redaction import Redactor
 from capture.turns import CapturedExchange, prepare_lines
 from gateway.config import Settings
 from gateway.errors import OpenAIError, UpstreamError
-from gateway.store.exchange_lines import OFF_LOOP_BYTES, estimated_bytes, line_in_pieces
+from gateway.store.exchange_lines import OFF_LOOP_LINE_BYTES, estimated_bytes, line_in_pieces
 
 log = logging.getLogger("flywheel.store_link")
 
@@ -135,7 +135,7 @@ class StoreLink:
         (``gateway/store/exchange_lines.py``) is serialized on the serializer thread instead, and
         so is every exchange submitted while one is there, so lines keep the order of submission.
         """
-        if self._serializing or estimated_bytes(exchange, request_bytes) > OFF_LOOP_BYTES:
+        if self._serializing or estimated_bytes(exchange, request_bytes) > OFF_LOOP_LINE_BYTES:
             future = asyncio.get_running_loop().run_in_executor(self._serializer, line_in_pieces, exchange)
             self._serializing.append(future)
             future.add_done_callback(lambda done: self._serialized(exchange, done))
