@@ -2,9 +2,10 @@
 
 Both engines speak one dialect, vLLM's flavour of the OpenAI API:
 
-- ``body`` is the OpenAI request as a plain dict (already validated by the gateway),
-  with ``body["model"]`` set to the name the engine serves: the base model or the
-  name a LoRA adapter was loaded under (``alias@N``).
+- ``body`` is the OpenAI request as a plain dict, already validated by
+  :mod:`gateway.protocol` (strict types, every bound, refused fields): an engine adds
+  only its own limits, as 400s naming the field. ``body["model"]`` is the name the
+  engine serves: the base model or the name a LoRA adapter was loaded under (``alias@N``).
 - Non-streaming calls return the OpenAI response dict. When ``return_token_ids`` is
   true it carries ``prompt_token_ids`` (top level for chat, per choice for
   completions) and ``choices[].token_ids``; ``logprobs`` follows OpenAI's shape.
@@ -13,7 +14,9 @@ Both engines speak one dialect, vLLM's flavour of the OpenAI API:
   ``stream_options.include_usage`` is true. The gateway adds ``data: `` framing and
   ``[DONE]``.
 - Failures raise :class:`gateway.errors.OpenAIError` subclasses, before the first
-  chunk when possible; after it, the gateway turns them into an SSE error event.
+  chunk when possible (a bad request on the stream's first ``anext``); after it, the
+  gateway turns them into an SSE error event. Closing a stream early (the client left)
+  must stop the generation.
 """
 
 from __future__ import annotations

@@ -135,16 +135,18 @@ class OpenAIUpstreamEngine:
             raise _timeout(self.config) from None
         except aiohttp.ClientError as exc:
             raise _unreachable(self.config, exc) from None
+        ended = False
         try:
             if response.status >= 400:
                 raise upstream_failure(response.status, await response.read())
             async for data in sse_data(response.content):
                 if data == b"[DONE]":
-                    return
+                    break
                 chunk = orjson.loads(data)
                 if "error" in chunk:
                     raise upstream_failure(502, data)
                 yield chunk
+            ended = True
         except TimeoutError:
             raise _timeout(self.config) from None
         except aiohttp.ClientError as exc:
@@ -152,7 +154,10 @@ class OpenAIUpstreamEngine:
         except orjson.JSONDecodeError:
             raise UpstreamError("upstream sent a stream event that is not JSON") from None
         finally:
-            response.release()
+            if ended:
+                response.release()
+            else:  # abandoned (the client went away) or broken: closing the connection stops the generation
+                response.close()
 
 
 async def sse_data(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:

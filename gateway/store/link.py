@@ -2,7 +2,8 @@
 
 :class:`StoreLink` starts the store process, restarts it if it dies, streams every
 captured exchange to it, and forwards the store-backed routes to it. On the request
-path capture costs one ``orjson.dumps`` of the exchange and, every ``capture.handoff_s``
+path capture costs one ``orjson.dumps`` of the exchange (a big one is serialized off the event loop:
+:mod:`gateway.store.exchange_lines`) and, every ``capture.handoff_s``
 (50 ms), one socket write for all the exchanges finished in it.
 
 When the store process cannot take an exchange (it is restarting, or has fallen more
@@ -19,8 +20,9 @@ import pickle
 import shutil
 import sys
 import tempfile
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from capture.redaction import Redactor
 from capture.turns import CapturedExchange, prepare_lines
 from gateway.config import Settings
 from gateway.errors import OpenAIError, UpstreamError
+from gateway.store.exchange_lines import OFF_LOOP_LINE_BYTES, estimated_bytes, line_in_pieces
 
 log = logging.getLogger("flywheel.store_link")
 
@@ -79,6 +82,9 @@ class StoreLink:
         self._ingest: asyncio.StreamWriter | None = None
         self._ingest_eof: asyncio.StreamReader | None = None  # at EOF once the store process is gone
         self._pending: list[bytes] = []  # CapturedExchange lines
+        self._serializer = ThreadPoolExecutor(1, thread_name_prefix="flywheel-serializer")  # one: lines keep order
+        self._serializing: deque[asyncio.Future[bytes]] = deque()  # big exchanges on the serializer, in order
+        self._spooling: set[asyncio.Future[Counter[str]]] = set()
         self._closing = False
         self._supervisor: asyncio.Task[None] | None = None
 
@@ -96,7 +102,11 @@ class StoreLink:
         self._closing = True
         if self._supervisor is not None:
             self._supervisor.cancel()
+        await self._caught_up()
         self._flush()
+        if self._spooling:
+            await asyncio.wait(set(self._spooling))
+        self._serializer.shutdown(wait=False)
         if self._ingest is not None:
             self._ingest.close()  # the store process reads to this end before it drains
             with contextlib.suppress(OSError):  # already gone: it read what it could
@@ -116,22 +126,45 @@ class StoreLink:
 
     # -- capture -----------------------------------------------------------------------------------------
 
-    def submit(self, exchange: CapturedExchange) -> None:
+    def submit(self, exchange: CapturedExchange, request_bytes: int = 0) -> None:
         """Queue a finished exchange for the store process; never blocks, never raises.
 
         It is serialized now, while its dicts are still in the CPU's caches, and only the line is
         kept: holding the dicts until the handoff (and walking them then, cold) cost the gateway
-        ~5% of its throughput at saturation (measured), serializing here ~0.3%.
+        ~5% of its throughput at saturation (measured), serializing here ~0.3%. A big one
+        (``gateway/store/exchange_lines.py``) is serialized on the serializer thread instead, and
+        so is every exchange submitted while one is there, so lines keep the order of submission.
         """
+        if self._serializing or estimated_bytes(exchange, request_bytes) > OFF_LOOP_LINE_BYTES:
+            future = asyncio.get_running_loop().run_in_executor(self._serializer, line_in_pieces, exchange)
+            self._serializing.append(future)
+            future.add_done_callback(lambda done: self._serialized(exchange, done))
+            return
         try:
             line = exchange.to_line()
         except Exception:  # capture must never fail a client request
             log.exception("could not serialize exchange %s", exchange.completion_id)
             self.stats["failed"] += 1
             return
+        self._queue(line)
+
+    def _serialized(self, exchange: CapturedExchange, done: asyncio.Future[bytes]) -> None:
+        self._serializing.remove(done)
+        if done.cancelled() or done.exception() is not None:  # capture must never fail a client request
+            log.error("could not serialize exchange %s: %r", exchange.completion_id, done.exception())
+            self.stats["failed"] += 1
+            return
+        self._queue(done.result())
+
+    def _queue(self, line: bytes) -> None:
         if not self._pending:
             asyncio.get_running_loop().call_later(self.handoff_s, self._flush)
         self._pending.append(line)
+
+    async def _caught_up(self) -> None:
+        """Wait for the serializer thread: what was answered before now is on the stream before what follows."""
+        if self._serializing:
+            await asyncio.wait(list(self._serializing))
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -140,13 +173,34 @@ class StoreLink:
         writer = self._ingest
         try:
             if writer is None or not self.up or writer.transport.get_write_buffer_size() > self.max_backlog_bytes:
-                self.spool.keep(prepare_lines(batch, self.redactor, self.stats), self.stats)  # redacted, as always
+                self._spool(batch)
                 return
             writer.write(b"".join(batch))
             self.sent += len(batch)
         except Exception:  # capture must never fail a client request
             log.exception("could not hand %d exchanges to the store process", len(batch))
             self.stats["failed"] += len(batch)
+
+    def _spool(self, batch: list[bytes]) -> None:
+        """Redact and append ``batch`` to the spool on a worker thread: preparing turns (parse, redact, hash)
+        grows with them, and the spool's file lock may wait for the store process."""
+        future = asyncio.get_running_loop().run_in_executor(None, self._spool_lines, batch)
+        self._spooling.add(future)
+        future.add_done_callback(self._spooled)
+
+    def _spool_lines(self, batch: list[bytes]) -> Counter[str]:
+        outcome: Counter[str] = Counter()  # counted on this thread, merged on the event loop
+        try:
+            self.spool.keep(prepare_lines(batch, self.redactor, outcome), outcome)  # redacted, as always
+        except Exception:  # capture must never fail a client request
+            log.exception("could not spool %d exchanges", len(batch))
+            outcome["failed"] += len(batch)
+        return outcome
+
+    def _spooled(self, done: asyncio.Future[Counter[str]]) -> None:
+        self._spooling.discard(done)
+        if not done.cancelled():
+            self.stats.update(done.result())
 
     async def refresh_capture_counts(self) -> None:
         try:
@@ -215,6 +269,7 @@ class StoreLink:
     async def call(self, method: str, path: str, *, params: dict[str, str] | None = None,
                    json: Any = None) -> Any:
         """An internal JSON call; the store process's error comes back as the same OpenAIError."""
+        await self._caught_up()
         self._flush()
         headers = {INGEST_SEQ_HEADER: str(self.sent)}
         try:
@@ -235,6 +290,7 @@ class StoreLink:
     async def forward(self, request: Request, body: bytes) -> Response:
         """Send a client's request (its ``body`` already read) to the store process as it came; stream the
         answer back."""
+        await self._caught_up()
         self._flush()  # what this client was just answered is on the stream before its request is
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
         headers[INGEST_SEQ_HEADER] = str(self.sent)
