@@ -22,7 +22,8 @@ model conditioned on and sampled. A turn without them is rendered with the token
 template: the prompt is ``apply_chat_template(messages, add_generation_prompt=True)``, the
 completion is what rendering ``messages + [response]`` adds after it, cut just after the eos
 token (``<|im_end|>``; the template's trailing newline belongs to the next prompt), or just
-before it when the turn ended on ``finish_reason="length"`` (the model never sampled it).
+before it when the turn was cut short — ``finish_reason`` ``length`` (the token limit) or
+``client_disconnected`` (the client left mid-stream) — since the model never sampled it.
 Such sequences are flagged ``retokenized``: the text is right, the token boundaries may
 differ from what was sampled, and there are no behaviour logprobs.
 
@@ -248,6 +249,9 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     return str(text)
 
 
+UNFINISHED = ("length", "client_disconnected")  # finish reasons of turns that never sampled their end of turn
+
+
 def _rendered_completion(tokenizer: Any, turn: BranchTurn, prompt_text: str) -> str:
     """The text the model sampled at ``turn``, as the chat template writes it (see module docstring)."""
     full = _render(tokenizer, [*turn.request_messages, turn.response_message], turn.tools, generation_prompt=False)
@@ -258,8 +262,8 @@ def _rendered_completion(tokenizer: Any, turn: BranchTurn, prompt_text: str) -> 
     end = completion.rfind(eos) if eos else -1
     if end < 0:
         return completion
-    if turn.finish_reason == "length":
-        return completion[:end]  # stopped by the token limit: the eos was added by the template, not sampled
+    if turn.finish_reason in UNFINISHED:
+        return completion[:end]  # cut short (token limit, client gone): the eos was added by the template, not sampled
     return completion[:end + len(eos)]
 
 
