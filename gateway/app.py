@@ -24,7 +24,7 @@ from gateway.api.common import read_body
 from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
-from gateway.discovery import announce, local_url, withdraw
+from gateway.discovery import announce_when_listening, local_url, withdraw
 from gateway.engines.base import Engine
 from gateway.errors import OpenAIError
 from gateway.loop.promotion import restore_serving
@@ -83,7 +83,7 @@ def build_app(settings: Settings) -> FastAPI:
         loop = Loop(state, local_url(settings))
         await loop.start()
         app.state.gateway, app.state.metrics, app.state.loop = state, state.metrics, loop
-        announced = announce(settings)
+        announcing = asyncio.create_task(announce_when_listening(settings))
         tune_gc()  # everything the gateway keeps is allocated by now
         log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s",
                  [s.alias for s in state.router.all()], list(state.engines), settings.database,
@@ -91,7 +91,8 @@ def build_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            withdraw(announced)
+            announcing.cancel()
+            withdraw(settings)
             await loop.stop()
             await state.store_link.aclose()  # SIGTERM: the store process writes everything it was sent
             for engine in state.engines.values():

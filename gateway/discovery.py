@@ -7,10 +7,13 @@ the store file is the gateway's while it runs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 from pathlib import Path
+
+import httpx
 
 from gateway.config import Settings
 
@@ -23,13 +26,22 @@ def local_url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}"
 
 
-def announce(settings: Settings) -> Path:
+async def announce_when_listening(settings: Settings, timeout_s: float = 120.0) -> None:
+    """Write ``gateway.json`` once the server accepts connections (the lifespan runs before it listens)."""
+    url = local_url(settings)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                await client.get(url + "/healthz")
+                break
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
+    (settings.data_dir / FILE).write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
+
+
+def withdraw(settings: Settings) -> None:
     path = settings.data_dir / FILE
-    path.write_text(json.dumps({"url": local_url(settings), "pid": os.getpid()}) + "\n")
-    return path
-
-
-def withdraw(path: Path) -> None:
     with contextlib.suppress(OSError, ValueError):
         if json.loads(path.read_text()).get("pid") == os.getpid():  # not a newer gateway's
             path.unlink()

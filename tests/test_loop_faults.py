@@ -45,6 +45,8 @@ timeout_s = 5
 [loop]
 score_every_s = 0.5
 min_groups = 1000
+[loop.gate]
+holdout_fraction = 0.0  # both conversations must form the group
 """).start()
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         for _ in range(2):  # the same task twice, no feedback: only the judge can score it
