@@ -50,7 +50,8 @@ from sqlalchemy import text
 
 from bench.gateway_overhead import Args as OverheadArgs
 from bench.gateway_overhead import Connection, Target, check, settle, start_flywheel, start_mock
-from capture.store import Store, TrajectoryLinker
+from capture.linker import TrajectoryLinker
+from capture.store import Store
 from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 
 
