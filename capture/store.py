@@ -9,6 +9,7 @@ a clear message, and nothing is ever dropped or rewritten silently.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from orjson import dumps
-from sqlalchemy import JSON, Engine, bindparam, insert, inspect
+from sqlalchemy import JSON, Engine, bindparam, insert, inspect, text
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from capture.linker import TOUCHED_COLUMNS, TrajectoryLinker, chunks
@@ -25,7 +26,6 @@ from capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from capture.turns import PreparedTurn
 
 log = logging.getLogger("flywheel.store")
-
 
 
 def _loop_tables(connection: Any) -> None:
@@ -43,9 +43,23 @@ def _eval_metrics_table(connection: Any) -> None:
     SQLModel.metadata.tables["eval_metrics"].create(connection)
 
 
+def _tail_links(connection: Any) -> None:
+    """3 -> 4: turns record how they were linked and what their history changed (``h_answer``, indexed, is the
+    tail rule's lookup); trajectories name the agent a sub-agent worked for. Older turns keep nulls there:
+    their rule was not recorded, and they are not found by the tail rule."""
+    for column, kind in (("h_answer", "VARCHAR"), ("h_replied_to", "VARCHAR"), ("link_rule", "VARCHAR"),
+                         ("parent_message_index", "INTEGER"), ("history_edits", "JSON")):
+        connection.execute(text(f"ALTER TABLE turns ADD COLUMN {column} {kind}"))
+    connection.execute(text("ALTER TABLE trajectories ADD COLUMN parent_trajectory_id VARCHAR"))
+    # The names SQLModel gives the indexes of a new store, so a migrated file and a new one are alike.
+    connection.execute(text("CREATE INDEX ix_turns_h_answer ON turns (h_answer)"))
+    connection.execute(text("CREATE INDEX ix_trajectories_parent_trajectory_id ON trajectories (parent_trajectory_id)"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
-                                          2: ("sdk: eval_metrics", _eval_metrics_table)}
+                                          2: ("sdk: eval_metrics", _eval_metrics_table),
+                                          3: ("linker: tail links, history edits, sub-agent parents", _tail_links)}
 
 
 class SchemaError(RuntimeError):
@@ -131,11 +145,13 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------------------
 
-    def write_turns(self, prepared: Iterable[PreparedTurn], *, skip_stored: bool = False) -> int:
-        """Link and insert turns in one transaction.
+    def write_turns(self, prepared: Iterable[PreparedTurn], *, skip_stored: bool = False,
+                    counts: Counter[str] | None = None) -> int:
+        """Link and insert turns in one transaction; returns how many were written.
 
         ``skip_stored`` (re-ingesting a spool, which may hold turns already written before a
         crash) first drops the turns whose ids are stored; fresh turns need no such query.
+        ``counts`` receives the linker's tallies (each turn's rule, the tails refused) once committed.
         """
         prepared = list(prepared)
         with self.session() as session:
@@ -149,11 +165,14 @@ class Store:
             linker.prefetch(todo)
             for item in todo:
                 linker.link(item)
+            linker.finish()
             # One multi-row INSERT per table, one UPDATE for the stored trajectories the batch continued.
             bulk_insert(session, Turn, linker.turns)
             bulk_insert(session, Trajectory, linker.new_trajectories())
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
             session.commit()
+        if counts is not None:
+            counts.update(linker.counts)
         return len(todo)
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
@@ -170,14 +189,21 @@ class Store:
             return len(rows)
 
     def close_trajectory(self, trajectory_id: str, reason: str = "client") -> Trajectory | None:
+        """Close a trajectory, and its sub-agents' still open (reason ``parent``): the conversation they served
+        is over."""
         with self.session() as session:
             trajectory = session.get(Trajectory, trajectory_id)
             if trajectory is None:
                 return None
+            now = utcnow()
             if trajectory.status != "closed":
-                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", utcnow(), reason
+                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", now, reason
                 session.add(trajectory)
-                session.commit()
+            for sub_agent in session.exec(select(Trajectory).where(Trajectory.parent_trajectory_id == trajectory_id,
+                                                                   Trajectory.status == "open")).all():
+                sub_agent.status, sub_agent.closed_at, sub_agent.close_reason = "closed", now, "parent"
+                session.add(sub_agent)
+            session.commit()
             return trajectory
 
 
