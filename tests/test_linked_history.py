@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from sqlmodel import col, select
 
+from capture import queries
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
+from capture.export import art_trajectories, openai_examples
 from capture.groups import branch_messages, branch_turns
 from capture.history import branch_conversation, history_edits
 from capture.models import Trajectory, Turn
@@ -165,3 +167,16 @@ def test_training_starts_a_new_sequence_where_the_history_was_rewritten(tiny_mod
     assert [(s.part, s.turns) for s in by_member[0]] == [(0, 1), (1, 1), (2, 1)]
     assert [(s.part, s.turns) for s in by_member[1]] == [(0, 3)]
     assert len({s.advantage for s in by_member[0]}) == 1  # every sequence keeps the member's advantage
+
+
+def test_exports_read_a_rewritten_branch_back_whole_with_each_answer_a_choice(store: Store) -> None:
+    history = converse(store, timed, ["Lisbon?", "Two nights.", "Dinner too."])  # a new system prompt each time
+    (trajectory,) = queries.list_trajectories(store).data
+    detail = queries.trajectory_detail(store, trajectory["id"])
+    assert detail is not None
+    (example,) = openai_examples(detail)
+    assert example["messages"] == [timed(0), *history]
+    (art,) = art_trajectories(detail)
+    choices = [i for i, item in enumerate(art.messages_and_choices) if "finish_reason" in item]
+    assert choices == [2, 4, 6]
+    assert [art.messages_and_choices[i]["message"] for i in choices] == history[1::2]
