@@ -183,9 +183,11 @@ class TrajectoryLinker:
                 self._by_answer.setdefault(h_answer, []).append(candidate)
 
     def _resolves(self, item: PreparedTurn, h: str) -> bool:
-        """Whether a stored turn ending in ``h`` can be this turn's parent (same key; same explicit trajectory)."""
-        return any(c.client_key_id == item.row["client_key_id"] and
-                   item.explicit_trajectory_id in (None, c.trajectory_id) for c in self._by_hash.get(h, ()))
+        """Whether the stored turns ending in ``h`` settle this turn's parent: some exist (same key; same explicit
+        trajectory), all in one trajectory (else a retry may be refused and the other rules asked)."""
+        trajectories = {c.trajectory_id for c in self._by_hash.get(h, ()) if c.client_key_id == item.row[
+            "client_key_id"] and item.explicit_trajectory_id in (None, c.trajectory_id)}
+        return len(trajectories) == 1
 
     def _candidate(self, turn_id: str, trajectory_id: str, depth: int, key: str | None) -> _Candidate:
         """One object per stored turn, so marking it claimed is seen by every path that found it."""
@@ -198,7 +200,7 @@ class TrajectoryLinker:
         turn_id = item.row["id"]
         if turn_id not in self._tails:
             messages = item.row["request_messages"] or []
-            index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
+            index = _last_assistant(messages)
             if index is None:
                 self._tails[turn_id] = None
             else:
@@ -280,15 +282,16 @@ class TrajectoryLinker:
     def _find_parent(self, item: PreparedTurn) -> _Match | None:
         """Rules 2-4: the last assistant prefix, the tail, the older prefixes."""
         hashes, key = item.assistant_prefix_hashes, item.row["client_key_id"]
-        if not hashes:
+        last = _last_assistant(item.row["request_messages"] or [])
+        if not hashes or last is None:
             return None
-        positions = _assistant_positions(item)
-        found = self._prefix_match(item, hashes[0], positions[0])
+        found = self._prefix_match(item, hashes[0], last)
         if found is not None:
-            return _Match(found, "prefix", positions[0])
+            return _Match(found, "prefix", last)
         tail = self._tail_match(item, self._by_answer_of(item, key))
         if tail is not None:
             return tail
+        positions = _assistant_positions(item)
         for h, position in zip(hashes[1:], positions[1:], strict=True):
             found = self._prefix_match(item, h, position)
             if found is not None:
@@ -392,6 +395,11 @@ class TrajectoryLinker:
         trajectory.latest_turn_id = turn["id"]
         trajectory.updated_at = turn["created_at"]
         trajectory.group_key = trajectory.group_key or turn["group_key"]
+
+
+def _last_assistant(messages: list[dict[str, Any]]) -> int | None:
+    """Where the request's last assistant message sits (a scan from the end: it is usually near)."""
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
 
 
 def _assistant_positions(item: PreparedTurn) -> list[int]:

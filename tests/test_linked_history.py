@@ -7,6 +7,7 @@ path PostgreSQL takes (executemany, JSON read back already decoded or as text).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -180,3 +181,19 @@ def test_exports_read_a_rewritten_branch_back_whole_with_each_answer_a_choice(st
     choices = [i for i, item in enumerate(art.messages_and_choices) if "finish_reason" in item]
     assert choices == [2, 4, 6]
     assert [art.messages_and_choices[i]["message"] for i in choices] == history[1::2]
+
+
+def test_a_retry_that_two_identical_conversations_could_have_made_starts_its_own_trajectory(store: Store) -> None:
+    """Identical conversations claim one trajectory each; a retry that matches both is not branched into either."""
+    opening = [SYSTEM, {"role": "user", "content": "Lisbon?"}]
+    follow = [*opening, {"role": "assistant", "content": "Which part?"}, {"role": "user", "content": "Alfama."}]
+    counts: Counter[str] = Counter()
+    for i in range(2):
+        store.write_turns(prepare_turns(exchange(i, opening, "Which part?"), None), counts=counts)
+    for i in range(2, 4):
+        store.write_turns(prepare_turns(exchange(i, follow, "Alfama it is."), None), counts=counts)
+    store.write_turns(prepare_turns(exchange(4, follow, "Alfama, again."), None), counts=counts)
+    turns = stored(store)
+    assert [t.link_rule for t in turns] == ["new", "new", "prefix", "prefix", "new"]
+    assert len({t.trajectory_id for t in turns[2:4]}) == 2 and turns[4].parent_turn_id is None
+    assert counts == Counter(link_new=3, link_prefix=2, tail_ambiguous=1)
