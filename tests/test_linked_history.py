@@ -8,12 +8,10 @@ path PostgreSQL takes (executemany, JSON read back already decoded or as text).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlmodel import col, select
 
 from capture import queries
@@ -28,14 +26,6 @@ from trainer.samples import build_samples
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 SYSTEM = {"role": "system", "content": "You plan trips."}
-
-
-@pytest.fixture(params=["duckdb", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url: Path | str = tmp_path / "s.duckdb" if request.param == "duckdb" else f"sqlite:///{tmp_path / 's.sqlite'}"
-    opened = Store(url)
-    yield opened
-    opened.close()
 
 
 def exchange(i: int, messages: list[dict[str, Any]], answer: str, **tags: str) -> CapturedExchange:

@@ -25,6 +25,7 @@ from capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
+from tests.test_stored_completions import gateway_config
 
 KEY_A, KEY_B = "sk-sub-a", "sk-sub-b"
 ADMIN = {"authorization": "Bearer admin"}
@@ -47,21 +48,8 @@ def servers() -> Iterator[tuple[ScriptedOpenAI, ScriptedJudge]]:
 
 
 def start(tmp: Path, upstream: ScriptedOpenAI, judge: ScriptedJudge) -> GatewayProcess:
-    return GatewayProcess(tmp, f"""
-[engines.up]
-base_url = "{upstream.base_url}"
-[aliases.agent]
-engine = "up"
-base_model = "scripted"
-[auth]
-api_keys = ["{KEY_A}", "{KEY_B}"]
-admin_key = "admin"
-[judge]
-model = "openai/judge"
-api_base = "{judge.base_url}"
-api_key = "unused"
-max_retries = 0
-[groups]
+    return GatewayProcess(tmp, gateway_config(upstream, KEY_A, KEY_B, admin="admin") + f"""
+{judge.config_toml}[groups]
 form_every_s = 3600
 """).start()
 

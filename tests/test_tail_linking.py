@@ -272,29 +272,26 @@ def test_a_system_prompt_that_changes_every_turn_links_by_tail(gateway: GatewayP
     assert delta(before, result.counts, "flywheel_capture_tail_ambiguous") == 0
 
 
+def edits(dropped: int, rewritten: int) -> dict[str, Any]:
+    return {"system_changed": False, "dropped": dropped, "rewritten": rewritten, "added": 0}
+
+
+@pytest.mark.parametrize(("policy", "third", "fourth"), [
+    (sliding_window, edits(2, 0), edits(2, 0)),  # [system, u2, a2, u3]: u1 and a1 dropped
+    (summary, edits(1, 1), edits(2, 1)),  # [system, summary of u1 a1, u2, a2, u3], then of u1..a2
+], ids=["sliding-window", "summary"])
 @STREAMS
-def test_a_sliding_window_links_by_tail(gateway: GatewayProcess, key: str, stream: bool) -> None:
-    crowd = agents(sliding_window)
+def test_a_window_or_a_summary_links_by_tail(gateway: GatewayProcess, key: str, stream: bool, policy: Policy,
+                                             third: dict[str, Any], fourth: dict[str, Any]) -> None:
+    crowd = agents(policy)
     asyncio.run(converse(gateway, key, crowd, 4, stream=stream))
     result = stored(gateway, key)
     assert_one_trajectory_each(result, crowd, ["new", "prefix", "tail", "tail"])
     for trajectory in result.trajectories:
-        third, fourth = sorted(trajectory["turns"], key=lambda t: t["depth"])[2:]
-        assert third["history_edits"] == {"system_changed": False, "dropped": 2, "rewritten": 0, "added": 0}
-        assert third["parent_message_index"] == 2  # [system, u2, a2, u3]: a2, the parent's answer
-        assert fourth["history_edits"] == {"system_changed": False, "dropped": 2, "rewritten": 0, "added": 0}
-
-
-@STREAMS
-def test_a_summary_replacing_older_messages_links_by_tail(gateway: GatewayProcess, key: str, stream: bool) -> None:
-    crowd = agents(summary)
-    asyncio.run(converse(gateway, key, crowd, 4, stream=stream))
-    result = stored(gateway, key)
-    assert_one_trajectory_each(result, crowd, ["new", "prefix", "tail", "tail"])
-    for trajectory in result.trajectories:
-        third, fourth = sorted(trajectory["turns"], key=lambda t: t["depth"])[2:]
-        assert third["history_edits"] == {"system_changed": False, "dropped": 1, "rewritten": 1, "added": 0}
-        assert fourth["history_edits"] == {"system_changed": False, "dropped": 2, "rewritten": 1, "added": 0}
+        turns = sorted(trajectory["turns"], key=lambda t: t["depth"])
+        assert [turns[2]["history_edits"], turns[3]["history_edits"]] == [third, fourth]
+        assert turns[2]["request_messages"][turns[2]["parent_message_index"]]["content"] == \
+            turns[1]["response_message"]["content"]  # where the parent's answer sits in what was sent
 
 
 @STREAMS
@@ -307,7 +304,7 @@ def test_a_shortened_tool_result_links_by_tail(gateway: GatewayProcess, key: str
     for agent in crowd:
         (trajectory,) = result.of(agent)
         third = sorted(trajectory["turns"], key=lambda t: t["depth"])[2]
-        assert third["history_edits"] == {"system_changed": False, "dropped": 0, "rewritten": 1, "added": 0}
+        assert third["history_edits"] == edits(0, 1)
         assert "[shortened]" in third["request_messages"][3]["content"]  # stored as sent
 
 
