@@ -281,14 +281,14 @@ class TrajectoryLinker:
 
     def _find_parent(self, item: PreparedTurn) -> _Match | None:
         """Rules 2-4: the last assistant prefix, the tail, the older prefixes."""
-        hashes, key = item.assistant_prefix_hashes, item.row["client_key_id"]
+        hashes = item.assistant_prefix_hashes
         last = _last_assistant(item.row["request_messages"] or [])
         if not hashes or last is None:
             return None
         found = self._prefix_match(item, hashes[0], last)
         if found is not None:
             return _Match(found, "prefix", last)
-        tail = self._tail_match(item, self._by_answer_of(item, key))
+        tail = self._tail_match(item)
         if tail is not None:
             return tail
         positions = _assistant_positions(item)
@@ -313,25 +313,23 @@ class TrajectoryLinker:
             return unclaimed[0]
         return candidates[-1] if len({c.trajectory_id for c in candidates}) == 1 else None
 
-    def _by_answer_of(self, item: PreparedTurn, client_key_id: str | None,
-                      trajectory_id: str | None = None) -> list[_Candidate]:
-        """Stored turns (of this key; of ``trajectory_id`` when given) that gave the request's last answer."""
+    def _tail_match(self, item: PreparedTurn, within: str | None = None) -> _Match | None:
+        """Rule 3 (inside trajectory ``within`` when given): the stored turns (same key) that gave the request's
+        last answer and agree best must all lie in one trajectory; its unclaimed one (or, all claimed, its
+        latest: a retry after the history changed) is the parent. A refusal outside an explicit trajectory
+        is counted."""
         tail = self._tail(item)
         if tail is None:
-            return []
-        return [c for c in self._by_answer.get(tail.answer, ()) if c.client_key_id == client_key_id and
-                (trajectory_id is None or c.trajectory_id == trajectory_id)]
-
-    def _tail_match(self, item: PreparedTurn, candidates: list[_Candidate]) -> _Match | None:
-        """Rule 3: the candidates that agree best must all lie in one trajectory; its unclaimed one (or, all
-        claimed, its latest: a retry after the history changed) is the parent."""
-        tail = self._tail(item)
-        if tail is None or not candidates:
+            return None
+        candidates = [c for c in self._by_answer.get(tail.answer, ()) if c.client_key_id == item.row["client_key_id"]
+                      and within in (None, c.trajectory_id)]
+        if not candidates:
             return None
         agreeing = [c for c in candidates if tail.replied_to is not None and c.h_replied_to == tail.replied_to]
         pool = agreeing or (candidates if tail.distinct else [])
         if not pool or len({c.trajectory_id for c in pool}) > 1:
-            self.counts["tail_ambiguous"] += 1
+            if within is None:
+                self.counts["tail_ambiguous"] += 1
             return None
         unclaimed = [c for c in pool if not c.has_children]
         return _Match(unclaimed[0] if unclaimed else pool[-1], "tail", tail.index)
@@ -344,7 +342,7 @@ class TrajectoryLinker:
             if found:
                 return _Match(found[-1], "prefix", position)
             if index == 0:
-                tail = self._tail_match(item, self._by_answer_of(item, item.row["client_key_id"], trajectory_id))
+                tail = self._tail_match(item, within=trajectory_id)
                 if tail is not None:
                     return tail
         latest = self._latest.get(trajectory_id)
