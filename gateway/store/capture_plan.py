@@ -1,8 +1,8 @@
 """Deciding whether a request is captured, and what the recorder gets when it is.
 
-Headers a client may send (all optional; ``flywheel.headers()`` builds them):
+Headers a client may send (all optional; ``flywheel.headers()`` builds the first four):
 ``X-Flywheel-Capture: on|off``, ``X-Flywheel-Trajectory-Id``, ``X-Flywheel-Task``,
-``X-Flywheel-Group-Id``, ``X-Flywheel-Parent-Trajectory-Id`` (a sub-agent's call, for the
+``X-Flywheel-Group-Id``, and ``X-Flywheel-Parent-Trajectory-Id`` (a sub-agent's call, for the
 trajectory of the agent it works for). ``metadata.trajectory_id`` and
 ``metadata.parent_trajectory_id`` in the body work like the headers.
 """
