@@ -48,7 +48,7 @@ def branch_messages(detail: dict[str, Any], leaf_turn_id: str) -> list[dict[str,
 def _conversation(detail: dict[str, Any], branch: list[str]) -> tuple[list[dict[str, Any]], list[int]]:
     """A branch of a detail read back as one conversation, and where each of its turns' answers sits."""
     turns = _turns_by_id(detail)
-    return branch_conversation([SimpleNamespace(  # details from before schema version 2 lack the link columns
+    return branch_conversation([SimpleNamespace(  # details from before schema version 4 lack the link columns
         request_messages=turns[i]["request_messages"], response_message=turns[i]["response_message"],
         parent_message_index=turns[i].get("parent_message_index"), history_edits=turns[i].get("history_edits"))
         for i in branch])
