@@ -17,9 +17,8 @@ explicitly grouped never joins a task or cohort group: the promotion gate's cont
 them, so it never evaluates on what was trained.
 
 A sub-agent's trajectory (``parent_trajectory_id`` set) joins no group of its own: it is
-scored and trained with its parent (docs/capture.md, "Sub-agents"). The judge reads it
-inside the parent's conversation (:func:`member_messages`), and its turns train with the
-parent's reward (:func:`training_group`).
+scored with its parent, whose conversation the judge reads with it (:func:`member_messages`);
+its turns are not trained on yet (docs/capture.md, "Sub-agents").
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
     closed = [t for t in session.exec(select(Trajectory).where(Trajectory.status == "closed")
                                       .order_by(col(Trajectory.created_at)))
               if t.id not in grouped and t.close_reason != "fork"  # fork siblings live in their fork group
-              and t.parent_trajectory_id is None]  # sub-agents are scored and trained with their parent
+              and t.parent_trajectory_id is None]  # sub-agents are scored with their parent
     still_open = set(session.exec(select(Trajectory.group_key).where(Trajectory.status == "open",
                                                                      col(Trajectory.group_key).is_not(None))))
     explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
@@ -205,16 +204,6 @@ def member_messages(session: Session, trajectory_id: str, turns: list[Turn],
     return messages
 
 
-def _sub_agent_turns(session: Session, trajectory_id: str, seen: frozenset[str] = frozenset()) -> list[Turn]:
-    """Every sub-agent turn under ``trajectory_id`` (nested ones too), each sub-agent's branch in order."""
-    seen = seen | {trajectory_id}
-    out: list[Turn] = []
-    for child, child_turns in sub_agent_branches(session, trajectory_id):
-        if child.id not in seen:
-            out += child_turns + _sub_agent_turns(session, child.id, seen)
-    return out
-
-
 def group_rewards(session: Session, group_id: str, source: str = "reward") -> dict[str, float]:
     """The latest score of each member of a group (``reward``: the combined, final one)."""
     rows = session.exec(select(Score).where(Score.group_id == group_id, Score.source == source)
@@ -231,8 +220,6 @@ def training_group(session: Session, group: Group) -> TrainingGroup:
         if member.leaf_turn_id is None:
             continue
         turns = branch_turns(session, member.leaf_turn_id, single_turn=group.source == "fork")
-        if group.source != "fork":  # a sub-agent's turns train with its parent's reward, as sequences of their own
-            turns += _sub_agent_turns(session, member.trajectory_id)
         out.members.append(GroupMember(
             trajectory_id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id,
             reward=rewards.get(member.trajectory_id, 0.0),

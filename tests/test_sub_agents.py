@@ -1,5 +1,5 @@
 """Sub-agents through a real gateway: tagged calls form trajectories of their own, linked to the parent's,
-shown with it, kept out of grouping, judged inside the parent's conversation and trained with its reward.
+shown with it, kept out of grouping and of training, and judged inside the parent's conversation.
 
 Two runs of one task (the same system prompt and question, so they form a task group) each
 delegate research to a sub-agent between their turns; one sub-agent's work is good, the
@@ -71,7 +71,7 @@ def run(client: openai.OpenAI, run_id: str, researcher: str, *, tag_in_body: boo
     client.chat.completions.create(model="gpt-4o", messages=history, extra_headers=planner)
 
 
-def test_sub_agents_are_shown_scored_and_trained_with_their_parent(
+def test_sub_agents_are_shown_and_scored_with_their_parent(
         tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
     upstream, judge = servers
     gateway = start(tmp_path, upstream, judge)
@@ -108,9 +108,8 @@ def test_sub_agents_are_shown_scored_and_trained_with_their_parent(
             trained = training_group(session, group)
         assert members == {"run-good", "run-poor"}
         assert rewards["run-good"] > rewards["run-poor"]  # only the sub-agents' work tells them apart
-        for member in trained.members:  # the parent's two turns, then its sub-agent's two
-            assert [t.request_messages[0]["content"].split(".")[0] for t in member.turns] == \
-                ["You plan trips", "You plan trips", "You research", "You research"]
+        for member in trained.members:  # the parent's two turns only: sub-agents are not trained on yet
+            assert [t.request_messages[0]["content"].split(".")[0] for t in member.turns] == ["You plan trips"] * 2
     finally:
         store.close()
 
