@@ -11,12 +11,14 @@ Rules, first match wins (docs/capture.md has an example of each):
 1. **explicit**: ``X-Flywheel-Trajectory-Id`` names the trajectory; inside it the parent is
    found by the rules below, else it is the trajectory's latest turn.
 2. **prefix**: the request's messages up to its last assistant message hash to a stored
-   turn's ``h_out``: the client repeated that conversation verbatim.
+   turn's ``h_out``: the client repeated that conversation verbatim (a retry or a rewind
+   when that turn has a child already: a branch).
 3. **tail**: the request's last assistant message is an answer the gateway gave
    (``turns.h_answer``: its canonical form with its tool-call ids), though what came before
    it changed. The candidates that agree best (the message before it too, ``h_replied_to``)
    must all lie in one trajectory; otherwise the evidence is ambiguous and is refused.
-4. **prefix** on an older assistant message: a rewind or a retry, a branch.
+4. **prefix** on an older assistant message, when the latest matched nothing (the client
+   edited the model's last answer): a branch from the turn the request still repeats.
 5. **new**: a trajectory of its own.
 """
 
