@@ -39,10 +39,20 @@ def history_edits(previous: Sequence[dict[str, Any]], sent: Sequence[dict[str, A
     None when nothing differs.
     """
     system_changed = _system_hashes(previous) != _system_hashes(sent)
-    before = [message_hash(m) for m in previous if m.get("role") not in _SYSTEM_ROLES]
-    after = [message_hash(m) for m in sent if m.get("role") not in _SYSTEM_ROLES]
+    before = [m for m in previous if m.get("role") not in _SYSTEM_ROLES]
+    after = [m for m in sent if m.get("role") not in _SYSTEM_ROLES]
+    # The common start and end first, by a cheap comparison: usually all that differs is a few messages
+    # (the diff of a 200-message history took ~3 ms hashing every message).
+    shortest = min(len(before), len(after))
+    start = next((i for i in range(shortest) if not _same(before[i], after[i])), shortest)
+    end = next((i for i in range(shortest - start) if not _same(before[-1 - i], after[-1 - i])), shortest - start)
+    before, after = before[start:len(before) - end], after[start:len(after) - end]
+    if not before or not after:  # only dropped, or only added: nothing to align
+        return _edits(system_changed, dropped=len(before), rewritten=0, added=len(after))
+    aligned = SequenceMatcher(None, [message_hash(m) for m in before], [message_hash(m) for m in after],
+                              autojunk=False)
     dropped = rewritten = added = 0
-    for tag, i1, i2, j1, j2 in SequenceMatcher(None, before, after, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in aligned.get_opcodes():
         removed, inserted = i2 - i1, j2 - j1
         if tag == "delete":
             dropped += removed
@@ -52,9 +62,18 @@ def history_edits(previous: Sequence[dict[str, Any]], sent: Sequence[dict[str, A
             rewritten += min(removed, inserted)
             dropped += max(0, removed - inserted)
             added += max(0, inserted - removed)
+    return _edits(system_changed, dropped=dropped, rewritten=rewritten, added=added)
+
+
+def _edits(system_changed: bool, *, dropped: int, rewritten: int, added: int) -> dict[str, Any] | None:
     if not (system_changed or dropped or rewritten or added):
         return None
     return {"system_changed": system_changed, "dropped": dropped, "rewritten": rewritten, "added": added}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Canonically equal: the same dict (fast), or the same message_hash."""
+    return a == b or message_hash(a) == message_hash(b)
 
 
 def _system_hashes(messages: Sequence[dict[str, Any]]) -> list[str]:
