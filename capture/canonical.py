@@ -72,11 +72,14 @@ def message_hash(message: dict[str, Any]) -> str:
     that carries them is one the gateway gave in one conversation only.
     """
     canonical = canonical_message(message)
-    call_ids = [call.get("id") for call in message.get("tool_calls") or [] if isinstance(call, dict)]
-    if any(call_ids):
-        canonical["call_ids"] = call_ids
-    if message.get("tool_call_id"):
-        canonical["tool_call_id"] = message["tool_call_id"]
+    calls = message.get("tool_calls")
+    if calls:  # the common message has none: no list built for it (~1 us a message)
+        call_ids = [call.get("id") for call in calls if isinstance(call, dict)]
+        if any(call_ids):
+            canonical["call_ids"] = call_ids
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id:
+        canonical["tool_call_id"] = tool_call_id
     return hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 

@@ -284,8 +284,10 @@ class TrajectoryLinker:
     def _find_parent(self, item: PreparedTurn) -> _Match | None:
         """Rules 2-4: the last assistant prefix, the tail, the older prefixes."""
         hashes = item.assistant_prefix_hashes
+        if not hashes:  # a first request: nothing to continue
+            return None
         last = _last_assistant(item.row["request_messages"] or [])
-        if not hashes or last is None:
+        if last is None:
             return None
         found = self._prefix_match(item, hashes[0], last)
         if found is not None:
@@ -399,7 +401,10 @@ class TrajectoryLinker:
 
 def _last_assistant(messages: list[dict[str, Any]]) -> int | None:
     """Where the request's last assistant message sits (a scan from the end: it is usually near)."""
-    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "assistant":
+            return index
+    return None
 
 
 def _assistant_positions(item: PreparedTurn) -> list[int]:
