@@ -134,19 +134,18 @@ class TrajectoryLinker:
         linkable = [item for item in batch if item.row["source"] != "fork"]
         last = {item.assistant_prefix_hashes[0] for item in linkable if item.assistant_prefix_hashes}
         self._probe(last)
-        older: set[str] = set()
-        answers: set[str] = set()
+        unresolved: list[PreparedTurn] = []
         answered_in_batch: set[str] = set()
         for item in linkable:
             hashes = item.assistant_prefix_hashes
             if hashes and hashes[0] not in answered_in_batch and not self._resolves(item, hashes[0]):
-                older.update(hashes[1:])
-                tail = self._tail(item)
-                if tail is not None:
-                    answers.add(tail.answer)
+                unresolved.append(item)
             answered_in_batch.add(item.row["h_out"])
-        self._probe(older - last)
-        self._probe_answers(answers)
+        self._probe_answers({tail.answer for tail in map(self._tail, unresolved) if tail is not None})
+        # Older prefixes (rule 4) only where the tail settles nothing: a request whose history changed
+        # has several of them, and each is a probe (~35 us).
+        self._probe({h for item in unresolved if not self._tail_pool(item) for h in item.assistant_prefix_hashes[1:]}
+                    - last)
         wanted = sorted({c.trajectory_id for c in self._candidates.values()} |
                         {item.explicit_trajectory_id for item in batch if item.explicit_trajectory_id} |
                         {item.parent_trajectory_id for item in batch if item.parent_trajectory_id})
@@ -322,6 +321,18 @@ class TrajectoryLinker:
         last answer and agree best must all lie in one trajectory; its unclaimed one (or, all claimed, its
         latest: a retry after the history changed) is the parent. A refusal outside an explicit trajectory
         is counted."""
+        pool = self._tail_pool(item, within)
+        tail = self._tail(item)
+        if not pool or tail is None:
+            if pool == [] and within is None:
+                self.counts["tail_ambiguous"] += 1
+            return None
+        unclaimed = [c for c in pool if not c.has_children]
+        return _Match(unclaimed[0] if unclaimed else pool[-1], "tail", tail.index)
+
+    def _tail_pool(self, item: PreparedTurn, within: str | None = None) -> list[_Candidate] | None:
+        """The candidates rule 3 chooses from: None when no stored turn gave the request's last answer, ``[]`` when
+        some did but the evidence is ambiguous (several trajectories, or a short answer alone)."""
         tail = self._tail(item)
         if tail is None:
             return None
@@ -331,12 +342,7 @@ class TrajectoryLinker:
             return None
         agreeing = [c for c in candidates if tail.replied_to is not None and c.h_replied_to == tail.replied_to]
         pool = agreeing or (candidates if tail.distinct else [])
-        if not pool or len({c.trajectory_id for c in pool}) > 1:
-            if within is None:
-                self.counts["tail_ambiguous"] += 1
-            return None
-        unclaimed = [c for c in pool if not c.has_children]
-        return _Match(unclaimed[0] if unclaimed else pool[-1], "tail", tail.index)
+        return pool if len({c.trajectory_id for c in pool}) == 1 else []
 
     def _parent_in(self, trajectory_id: str, item: PreparedTurn) -> _Match | None:
         """Rule 1: inside an explicit trajectory, rules 2-4 restricted to it, else its latest turn."""
