@@ -27,6 +27,10 @@
 3. Bytes per 1k turns: 1000 realistic multi-turn exchanges (a ~1 KB system prompt, tool
    calls, ~150 completion token ids with logprobs each) through the real prepare + write
    path, checkpointed; the file's growth.
+4. Store CPU per turn (``--parts store``): 4000 turns parsed, prepared, linked and written
+   by ``Store.write_turns`` in one process, in batches of 200: first requests, 4-turn
+   conversations that repeat their history (prefix links), and the same conversations with
+   the time in their system prompt (tail links and history edits), the last two as a ratio.
 
 Targets (docs/benchmarks.md): capture costs at most 5% of throughput; lookup time grows
 less than 2x from 1k to 1M turns.
@@ -78,7 +82,7 @@ class Args:
     """stored turns for the lookup measurement"""
     lookups: int = 2000
     """lookups timed per store size and rule"""
-    parts: tuple[str, ...] = ("throughput", "lookups", "size")
+    parts: tuple[str, ...] = ("throughput", "lookups", "size", "store")
     """what to measure (the throughput part takes most of the time)"""
     json: str | None = None
     """also write the results here"""
@@ -254,7 +258,7 @@ def time_lookups(store: Store, hits: list[int], kind: str, seed: int = 0) -> dic
     durations = []
     with store.session() as session:
         for hit in hits:
-            stored_h_out = session.execute(text("SELECT sha256(:v)"), {"v": f"out{hit}"}).scalar()
+            stored_h_out = str(session.execute(text("SELECT sha256(:v)"), {"v": f"out{hit}"}).scalar())
             request = lookup_request(rng, hit, kind, stored_h_out)
             started = time.perf_counter()
             linker = TrajectoryLinker(session)  # one per batch, as Store.write_turns does; here a batch of one
@@ -282,6 +286,67 @@ def lookups_by_size(args: Args, workdir: Path) -> dict[int, dict[str, dict[str, 
                                   for hit, (question, answer) in exchanges.items()})
             insert_s = time.perf_counter() - started
             out[n] = {kind: {**time_lookups(store, hits, kind), "insert_s": insert_s} for kind in ("prefix", "tail")}
+        finally:
+            store.close()
+            path.unlink(missing_ok=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. store CPU per turn, by how turns link
+# ---------------------------------------------------------------------------------------------
+
+STORE_BATCH, STORE_CONVERSATIONS, STORE_TURNS = 200, 1000, 4
+
+
+def conversation_exchanges(dynamic_system: bool) -> list[bytes]:
+    """Exchange lines of ``STORE_CONVERSATIONS`` conversations of ``STORE_TURNS`` turns, turn by turn (the first
+    turn of every conversation, then the second, ...); the system prompt carries the time when ``dynamic_system``."""
+    lines = []
+    histories: list[list[dict[str, Any]]] = [[] for _ in range(STORE_CONVERSATIONS)]
+    for turn in range(STORE_TURNS):
+        for c, history in enumerate(histories):
+            history.append({"role": "user", "content": f"Conversation {c}, question {turn}: and then?"})
+            system = f"You plan trips. It is 10:{turn:02d}." if dynamic_system else "You plan trips."
+            answer = {"role": "assistant", "content": f"Answer {turn} of conversation {c}: a plan for the day."}
+            completion_id = f"chatcmpl-{c}-{turn}"
+            exchange = CapturedExchange(
+                completion_id=completion_id, endpoint="chat.completions", requested_model="gpt-4o", alias="bench",
+                engine_model="bench", adapter_version=0, client_key_id=None,
+                request={"model": "gpt-4o", "messages": [{"role": "system", "content": system}, *history]},
+                response={"id": completion_id, "choices": [{"index": 0, "finish_reason": "stop", "message": answer}]},
+                created_at=datetime.now(UTC), latency_ms=1.0)
+            lines.append(exchange.to_line())
+            history.append(answer)
+    return lines
+
+
+def store_cpu(workdir: Path) -> dict[str, float]:
+    """CPU per turn of parsing, preparing, linking and writing (``Store.write_turns``, one process, batches of
+    ``STORE_BATCH``): first requests (the throughput benchmark's), conversations that repeat their history
+    (prefix links), and conversations whose system prompt carries the time (tail links, history edits)."""
+    from collections import Counter
+
+    from capture.turns import prepare_lines
+
+    say_hello = [CapturedExchange(
+        completion_id=f"chatcmpl-{i}", endpoint="chat.completions", requested_model="gpt-4o", alias="bench",
+        engine_model="bench", adapter_version=0, client_key_id=None,
+        request={"model": "gpt-4o", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16},
+        response={"id": f"chatcmpl-{i}", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": "Hello there, how can I help?"}}]},
+        created_at=datetime.now(UTC), latency_ms=1.0).to_line() for i in range(STORE_CONVERSATIONS * STORE_TURNS)]
+    out = {}
+    for name, lines in (("first requests", say_hello), ("verbatim history (prefix)", conversation_exchanges(False)),
+                        ("changing system prompt (tail)", conversation_exchanges(True))):
+        path = workdir / "store-cpu.duckdb"
+        store = Store(path)
+        store.warm_up()
+        try:
+            started = time.process_time()
+            for start in range(0, len(lines), STORE_BATCH):
+                store.write_turns(prepare_lines(lines[start:start + STORE_BATCH], None, Counter()))
+            out[name] = 1e6 * (time.process_time() - started) / len(lines)
         finally:
             store.close()
             path.unlink(missing_ok=True)
@@ -342,6 +407,11 @@ def main() -> None:
         if "size" in args.parts:
             results["size"] = bytes_per_1k_turns(workdir)
             console.print(f"DuckDB bytes per 1k realistic turns: {results['size']['bytes_per_1k_turns']:,}")
+        if "store" in args.parts:
+            results["store_cpu_us_per_turn"] = cpu = store_cpu(workdir)
+            baseline = cpu["verbatim history (prefix)"]
+            for name, us in cpu.items():
+                console.print(f"store CPU per turn, {name}: {us:.0f} us ({us / baseline:.2f}x the prefix-linked turn)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
