@@ -23,7 +23,8 @@
    costs through the real ``TrajectoryLinker``: ``prefix``, one of its prefixes is stored
    (probes of the ``h_out`` index, and of ``h_answer`` when the last prefix missed);
    ``tail``, none is (its system prompt carries the time) but its last answer is (every
-   prefix probed and missed, then the ``h_answer`` probe that finds it).
+   prefix probed and missed, then the ``h_answer`` probe that finds it). The stores are
+   filled first; then the sizes take turns, 50 lookups each, so drift hits all alike.
 3. Bytes per 1k turns: 1000 realistic multi-turn exchanges (a ~1 KB system prompt, tool
    calls, ~150 completion token ids with logprobs each) through the real prepare + write
    path, checkpointed; the file's growth.
@@ -252,8 +253,9 @@ def lookup_request(rng: random.Random, hit: int, kind: str, stored_h_out: str) -
     return PreparedTurn(row=row, explicit_trajectory_id=None, assistant_prefix_hashes=assistant_hashes)
 
 
-def time_lookups(store: Store, hits: list[int], kind: str, seed: int = 0) -> dict[str, float]:
-    """One linker per request (as one batch of one), through prefetch and the rules; the hit must be found."""
+def time_lookups(store: Store, hits: list[int], kind: str, seed: int) -> list[float]:
+    """Seconds per request, one linker per request (as one batch of one), through prefetch and the rules; the hit
+    must be found."""
     rng = random.Random(seed)
     durations = []
     with store.session() as session:
@@ -267,29 +269,47 @@ def time_lookups(store: Store, hits: list[int], kind: str, seed: int = 0) -> dic
             session.expunge_all()  # the store opens a fresh session per batch
             durations.append(time.perf_counter() - started)
             assert match is not None and match.how == kind and match.parent.trajectory_id == f"traj_{hit // 5}"
-    durations.sort()
-    return {"p50_us": 1e6 * durations[len(durations) // 2], "p99_us": 1e6 * durations[int(len(durations) * 0.99)],
-            "mean_us": 1e6 * statistics.fmean(durations)}
+    return durations
+
+
+LOOKUP_CHUNK = 50  # lookups per store and rule before moving to the next: the sizes take turns
 
 
 def lookups_by_size(args: Args, workdir: Path) -> dict[int, dict[str, dict[str, float]]]:
-    out = {}
-    for n in args.sizes:
-        path = workdir / f"lookup-{n}.duckdb"
-        store = Store(path)
-        rng = random.Random(n)
-        hits = [5 * rng.randrange(n // 5) + 4 for _ in range(args.lookups)]  # trajectories' latest turns
-        try:
+    """Every store filled first, then the sizes and rules take turns, ``LOOKUP_CHUNK`` lookups at a time, in a
+    rotating order: the machine's drift (a shared VM's speed moves within minutes) lands on all sizes alike."""
+    stores: dict[int, Store] = {}
+    hits: dict[int, list[int]] = {}
+    insert_s: dict[int, float] = {}
+    durations: dict[int, dict[str, list[float]]] = {n: {"prefix": [], "tail": []} for n in args.sizes}
+    try:
+        for n in args.sizes:
+            stores[n] = Store(workdir / f"lookup-{n}.duckdb")
+            rng = random.Random(n)
+            hits[n] = [5 * rng.randrange(n // 5) + 4 for _ in range(args.lookups)]  # trajectories' latest turns
             started = time.perf_counter()
-            exchanges = {hit: tail_exchange(hit) for hit in hits}
-            fill_store(store, n, {hit: (message_hash(answer), message_hash(question))
-                                  for hit, (question, answer) in exchanges.items()})
-            insert_s = time.perf_counter() - started
-            out[n] = {kind: {**time_lookups(store, hits, kind), "insert_s": insert_s} for kind in ("prefix", "tail")}
-        finally:
+            exchanges = {hit: tail_exchange(hit) for hit in hits[n]}
+            fill_store(stores[n], n, {hit: (message_hash(answer), message_hash(question))
+                                      for hit, (question, answer) in exchanges.items()})
+            insert_s[n] = time.perf_counter() - started
+        for round_index, start in enumerate(range(0, args.lookups, LOOKUP_CHUNK)):
+            turn = args.sizes[round_index % len(args.sizes):] + args.sizes[:round_index % len(args.sizes)]
+            for n in turn:
+                for kind in ("prefix", "tail"):
+                    durations[n][kind] += time_lookups(stores[n], hits[n][start:start + LOOKUP_CHUNK], kind,
+                                                       seed=round_index)
+    finally:
+        for n, store in stores.items():
             store.close()
-            path.unlink(missing_ok=True)
-    return out
+            (workdir / f"lookup-{n}.duckdb").unlink(missing_ok=True)
+    return {n: {kind: {**_percentiles(values), "insert_s": insert_s[n]} for kind, values in by_kind.items()}
+            for n, by_kind in durations.items()}
+
+
+def _percentiles(durations: list[float]) -> dict[str, float]:
+    ordered = sorted(durations)
+    return {"p50_us": 1e6 * ordered[len(ordered) // 2], "p99_us": 1e6 * ordered[int(len(ordered) * 0.99)],
+            "mean_us": 1e6 * statistics.fmean(ordered)}
 
 
 # ---------------------------------------------------------------------------------------------
