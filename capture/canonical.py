@@ -9,6 +9,9 @@ differences that do not change meaning, so the same conversation hashes the same
 
 Hashes chain: ``H(m_0..m_i) = sha256(H(m_0..m_{i-1}) || canon(m_i))``, so every
 prefix's hash comes out of one pass over the messages (O(messages) per request).
+
+:func:`message_hash` hashes one message on its own, tool-call ids included: the tail
+linker's evidence that a request repeats an answer the gateway gave (docs/capture.md).
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
                               "arguments": canonical_arguments((c.get("function") or {}).get("arguments"))}
                              for c in calls]
     return out
+
+
+def message_hash(message: dict[str, Any]) -> str:
+    """One message on its own: its canonical form plus its tool-call ids (``tool_calls[].id``, ``tool_call_id``).
+
+    The ids are kept here, unlike in the prefix hashes: the engine generated them, so an answer
+    that carries them is one the gateway gave in one conversation only.
+    """
+    canonical = canonical_message(message)
+    calls = message.get("tool_calls")
+    if calls:  # the common message has none: no list built for it (~1 us a message)
+        call_ids = [call.get("id") for call in calls if isinstance(call, dict)]
+        if any(call_ids):
+            canonical["call_ids"] = call_ids
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id:
+        canonical["tool_call_id"] = tool_call_id
+    return hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def _step(previous: str, message: dict[str, Any]) -> str:

@@ -8,8 +8,9 @@ Three formats (``docs/storage.md`` "Export formats")::
 
 The JSON formats are built from a trajectory *detail* (the dict :func:`capture.queries.trajectory_detail`
 returns, and the admin API serves), so the CLI makes the same files whether it reads the
-file or a running gateway. A branch's conversation is its leaf turn's request messages
-plus the leaf's answer: every request carries the whole history, so nothing is stitched.
+file or a running gateway. A branch's conversation is read back from its turns
+(:func:`capture.history.branch_conversation`): the leaf's request and answer when every
+request repeated the history, the conversation as it happened when some rewrote it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from sqlmodel import select
 
+from capture.history import branch_conversation
 from capture.models import Trajectory as TrajectoryRow
 from capture.queries import TrajectoryFilter
 from capture.store import Store
@@ -37,9 +40,18 @@ class ExportError(RuntimeError):
 
 
 def branch_messages(detail: dict[str, Any], leaf_turn_id: str) -> list[dict[str, Any]]:
-    """The whole conversation of one branch: the leaf's request messages and its answer."""
-    leaf = _turns_by_id(detail)[leaf_turn_id]
-    return [*(leaf["request_messages"] or []), leaf["response_message"] or {"role": "assistant", "content": ""}]
+    """The whole conversation of the branch ending at ``leaf_turn_id`` (``capture.history.branch_conversation``)."""
+    branch = next(b for b in detail["branches"] if b[-1] == leaf_turn_id)
+    return _conversation(detail, branch)[0]
+
+
+def _conversation(detail: dict[str, Any], branch: list[str]) -> tuple[list[dict[str, Any]], list[int]]:
+    """A branch of a detail read back as one conversation, and where each of its turns' answers sits."""
+    turns = _turns_by_id(detail)
+    return branch_conversation([SimpleNamespace(  # details from before schema version 4 lack the link columns
+        request_messages=turns[i]["request_messages"], response_message=turns[i]["response_message"],
+        parent_message_index=turns[i].get("parent_message_index"), history_edits=turns[i].get("history_edits"))
+        for i in branch])
 
 
 def openai_examples(detail: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,13 +97,11 @@ def art_trajectories(detail: dict[str, Any]) -> list[Trajectory]:
     out = []
     for branch in detail["branches"]:
         leaf = turns[branch[-1]]
-        items: list[dict[str, Any]] = list(branch_messages(detail, leaf["id"]))
-        for turn_id in branch:  # the position of a turn's answer is the length of its request
+        items, answers = _conversation(detail, branch)
+        for turn_id, position in zip(branch, answers, strict=True):
             turn = turns[turn_id]
-            position = len(turn["request_messages"] or [])
-            if position < len(items) and items[position].get("role") == "assistant":
-                items[position] = {"finish_reason": turn["finish_reason"] or "stop", "index": turn["choice_index"],
-                                   "logprobs": None, "message": turn["response_message"]}
+            items[position] = {"finish_reason": turn["finish_reason"] or "stop", "index": turn["choice_index"],
+                               "logprobs": None, "message": turn["response_message"]}
         metadata: dict[str, Any] = {k: v for k, v in (leaf["request_metadata"] or {}).items()
                                     if isinstance(v, str | int | float | bool)}
         metadata.update({"trajectory_id": detail["id"], "leaf_turn_id": leaf["id"], "alias": detail["alias"],

@@ -15,6 +15,10 @@ members (explicit and task) or are dropped (fork); larger ones are cut at ``max_
 oldest first — never padded. A stable ``holdout_fraction`` of the trajectories that are not
 explicitly grouped never joins a task or cohort group: the promotion gate's contexts come from
 them, so it never evaluates on what was trained.
+
+A sub-agent's trajectory (``parent_trajectory_id`` set) joins no group of its own: it is
+scored with its parent, whose conversation the judge reads with it (:func:`member_messages`);
+its turns are not trained on yet (docs/capture.md, "Sub-agents").
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlmodel import Session, col, select
 
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from capture.canonical import content_text
+from capture.history import branch_conversation
 from capture.models import Group, Score, Trajectory, Turn, utcnow
 from capture.models import GroupMember as GroupMemberRow
 from capture.turns import new_id
@@ -60,7 +66,8 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
         Group, col(Group.id) == col(GroupMemberRow.group_id)).where(Group.source != "fork")))
     closed = [t for t in session.exec(select(Trajectory).where(Trajectory.status == "closed")
                                       .order_by(col(Trajectory.created_at)))
-              if t.id not in grouped and t.close_reason != "fork"]  # fork siblings live in their fork group
+              if t.id not in grouped and t.close_reason != "fork"  # fork siblings live in their fork group
+              and t.parent_trajectory_id is None]  # sub-agents are scored with their parent
     still_open = set(session.exec(select(Trajectory.group_key).where(Trajectory.status == "open",
                                                                      col(Trajectory.group_key).is_not(None))))
     explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
@@ -150,11 +157,13 @@ def _cohort_key(session: Session, trajectory: Trajectory) -> str | None:
 # -- reading groups for the judge and the trainer ----------------------------------------------------------
 
 
-def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = False) -> list[Turn]:
-    """The root-to-leaf path ending at ``leaf_turn_id`` (just the leaf for a single-turn member)."""
+def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = False,
+                 within: str | None = None) -> list[Turn]:
+    """The root-to-leaf path ending at ``leaf_turn_id`` (just the leaf for a single-turn member; only the
+    turns of trajectory ``within`` when given)."""
     path: list[Turn] = []
     current = session.get(Turn, leaf_turn_id)
-    while current is not None:
+    while current is not None and (within is None or current.trajectory_id == within):
         path.append(current)
         if single_turn or current.parent_turn_id is None:
             break
@@ -162,10 +171,37 @@ def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = Fal
     return list(reversed(path))
 
 
-def branch_messages(turns: list[Turn]) -> list[dict[str, object]]:
-    """A branch as one OpenAI message list: the last prompt plus the last answer."""
-    last = turns[-1]
-    return [*(last.request_messages or []), last.response_message or {}]
+def branch_messages(turns: list[Turn]) -> list[dict[str, Any]]:
+    """A branch as one OpenAI message list: the conversation as it happened, each answer in place
+    (``capture.history.branch_conversation``: a request that rewrote its history loses nothing before it)."""
+    return branch_conversation(turns)[0]
+
+
+def sub_agent_branches(session: Session, trajectory_id: str) -> list[tuple[Trajectory, list[Turn]]]:
+    """The sub-agents that worked for ``trajectory_id``, oldest first, each with its latest branch (its own turns)."""
+    children = session.exec(select(Trajectory).where(Trajectory.parent_trajectory_id == trajectory_id)
+                            .order_by(col(Trajectory.created_at), col(Trajectory.id)))
+    return [(child, branch_turns(session, child.latest_turn_id, within=child.id))
+            for child in children if child.latest_turn_id]
+
+
+def member_messages(session: Session, trajectory_id: str, turns: list[Turn],
+                    seen: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """What the judge reads of a member: its branch's conversation with, after the answer each sub-agent
+    followed, a ``{"role": "sub_agent", "messages": [...]}`` entry holding that sub-agent's own (and, nested,
+    its sub-agents')."""
+    messages, answers = branch_conversation(turns)
+    seen = seen | {trajectory_id}
+    inserts: list[tuple[int, dict[str, Any]]] = []
+    for child, child_turns in sub_agent_branches(session, trajectory_id):
+        if child.id in seen or not child_turns:
+            continue  # a parent chain can only loop through a deleted and re-made explicit id
+        before = [answers[i] for i, turn in enumerate(turns) if turn.created_at <= child.created_at]
+        inserts.append((before[-1] + 1 if before else 0,
+                        {"role": "sub_agent", "messages": member_messages(session, child.id, child_turns, seen)}))
+    for position, entry in reversed(inserts):  # from the back, so earlier positions stay valid
+        messages.insert(position, entry)
+    return messages
 
 
 def group_rewards(session: Session, group_id: str, source: str = "reward") -> dict[str, float]:

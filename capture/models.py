@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 3  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 4  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -76,6 +76,11 @@ class Turn(SQLModel, table=True):
     task_key: str | None = None
     group_key: str | None = None
     redacted: bool = False
+    h_answer: str | None = Field(default=None, index=True)  # the tail linker's lookup
+    h_replied_to: str | None = None
+    link_rule: str | None = None  # prefix | tail | explicit | new
+    parent_message_index: int | None = None
+    history_edits: dict[str, Any] | None = _json()
 
 
 class Trajectory(SQLModel, table=True):
@@ -97,6 +102,7 @@ class Trajectory(SQLModel, table=True):
     branch_count: int = 1
     latest_turn_id: str | None = None
     extra_metadata: dict[str, Any] | None = _json()
+    parent_trajectory_id: str | None = Field(default=None, index=True)  # the agent this sub-agent worked for
 
 
 class Group(SQLModel, table=True):

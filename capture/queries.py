@@ -213,7 +213,7 @@ def trajectory_json(trajectory: Trajectory, reward: float | None = None, has_rew
             "closed_at": iso(trajectory.closed_at), "close_reason": trajectory.close_reason,
             "turn_count": trajectory.turn_count, "branch_count": trajectory.branch_count,
             "latest_turn_id": trajectory.latest_turn_id, "extra_metadata": trajectory.extra_metadata,
-            "reward": reward, "has_reward": has_reward}
+            "parent_trajectory_id": trajectory.parent_trajectory_id, "reward": reward, "has_reward": has_reward}
 
 
 def turn_json(turn: Turn) -> dict[str, Any]:
@@ -266,7 +266,8 @@ def get_trajectory(store: Store, trajectory_id: str) -> dict[str, Any] | None:
 
 
 def trajectory_detail(store: Store, trajectory_id: str) -> dict[str, Any] | None:
-    """The trajectory with its turns (in order), its branches, its scores and its feedback."""
+    """The trajectory with its turns (in order), its branches, its scores, its feedback and its sub-agents'
+    trajectories (those naming it as their parent, oldest first)."""
     with store.session() as session:
         trajectory = session.get(Trajectory, trajectory_id)
         if trajectory is None:
@@ -283,6 +284,10 @@ def trajectory_detail(store: Store, trajectory_id: str) -> dict[str, Any] | None
         out["branches"] = branches(turns)
         out["scores"] = [{**s.model_dump(mode="json"), "created_at": iso(s.created_at)} for s in scores]
         out["feedback"] = [{**f.model_dump(mode="json"), "created_at": iso(f.created_at)} for f in feedback]
+        sub_agents = session.exec(select(Trajectory).where(Trajectory.parent_trajectory_id == trajectory_id)
+                                  .order_by(col(Trajectory.created_at), col(Trajectory.id))).all()
+        sub_rewards, sub_rewarded = _rewards(session, [t.id for t in sub_agents])
+        out["sub_agents"] = [trajectory_json(t, sub_rewards.get(t.id), t.id in sub_rewarded) for t in sub_agents]
         return out
 
 

@@ -117,7 +117,9 @@ class Recorder:
         self.batch_wait_s = batch_wait_s
         self.retry_s = retry_s
         self.queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=queue_size)  # CapturedExchange lines
-        self.stats: Counter[str] = Counter()  # queued, written, spooled, reingested, failed (turns)
+        # Turns: queued, written, spooled, reingested, failed; and how written turns were linked
+        # (link_prefix, link_tail, link_explicit, link_new) and the tails refused (tail_ambiguous).
+        self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None
         self._retry_task: asyncio.Task[None] | None = None
@@ -197,7 +199,7 @@ class Recorder:
         prepared = prepare_lines(batch, self.redactor, outcome)
         if self.store_ok:
             try:
-                outcome["written"] += self.store.write_turns(prepared)
+                outcome["written"] += self.store.write_turns(prepared, counts=outcome)
                 return outcome
             except Exception as exc:
                 log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,
@@ -222,8 +224,9 @@ class Recorder:
         return total
 
     async def _ingest_file(self, path: Path, turns: list[PreparedTurn]) -> int:
+        links: Counter[str] = Counter()
         try:
-            written = await asyncio.to_thread(self.store.write_turns, turns, skip_stored=True)
+            written = await asyncio.to_thread(self.store.write_turns, turns, skip_stored=True, counts=links)
         except Exception as exc:
             log.info("store still not writable (%s); %d turns stay spooled", type(exc).__name__, len(turns))
             self.store_ok = False
@@ -236,6 +239,7 @@ class Recorder:
         path.unlink(missing_ok=True)
         self.store_ok = True
         self.stats["reingested"] += written
+        self.stats.update(links)
         if written:
             log.info("re-ingested %d spooled turns", written)
         return written

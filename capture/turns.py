@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from capture.canonical import ROOT, extend_hash, prefix_hashes, task_key
+from capture.canonical import ROOT, extend_hash, message_hash, prefix_hashes, task_key
 from capture.redaction import Redactor
 
 log = logging.getLogger("flywheel.capture")
@@ -45,6 +45,7 @@ class CapturedExchange:
     created_at: datetime
     latency_ms: float
     trajectory_id: str | None = None  # X-Flywheel-Trajectory-Id or metadata.trajectory_id
+    parent_trajectory_id: str | None = None  # X-Flywheel-Parent-Trajectory-Id: a sub-agent's call, for that agent
     task: str | None = None  # X-Flywheel-Task
     group_id: str | None = None  # X-Flywheel-Group-Id
     source: str = "client"  # "client" | "fork"
@@ -68,18 +69,21 @@ class PreparedTurn:
     row: dict[str, Any]
     explicit_trajectory_id: str | None
     assistant_prefix_hashes: list[str] = field(default_factory=list)  # last assistant message first
+    parent_trajectory_id: str | None = None  # the sub-agent's parent, as the client tagged it
 
     def to_json(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it deep-copies the row (token ids, messages): ~190 us a turn.
         return {"row": {**self.row, "created_at": self.row["created_at"].isoformat()},
                 "explicit_trajectory_id": self.explicit_trajectory_id,
-                "assistant_prefix_hashes": self.assistant_prefix_hashes}
+                "assistant_prefix_hashes": self.assistant_prefix_hashes,
+                "parent_trajectory_id": self.parent_trajectory_id}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PreparedTurn:
         row = {**data["row"], "created_at": datetime.fromisoformat(data["row"]["created_at"])}
         return cls(row=row, explicit_trajectory_id=data["explicit_trajectory_id"],
-                   assistant_prefix_hashes=data["assistant_prefix_hashes"])
+                   assistant_prefix_hashes=data["assistant_prefix_hashes"],
+                   parent_trajectory_id=data.get("parent_trajectory_id"))  # absent in older spools
 
 
 def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list[PreparedTurn]:
@@ -92,8 +96,9 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
     h_ctx = hashes[-1] if hashes else ROOT
     assistant_hashes = [hashes[i] for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
     metadata = request.get("metadata") if isinstance(request.get("metadata"), dict) else None
-    explicit = exchange.trajectory_id or (str(metadata["trajectory_id"]) if metadata and
-                                          metadata.get("trajectory_id") else None)
+    explicit = exchange.trajectory_id or _metadata_text(metadata, "trajectory_id")
+    parent_trajectory = exchange.parent_trajectory_id or _metadata_text(metadata, "parent_trajectory_id")
+    h_replied_to = message_hash(redacted_messages[-1]) if redacted_messages else None
     tools = request.get("tools")
     usage = exchange.response.get("usage") or {}
     prompt_ids = exchange.response.get("prompt_token_ids")
@@ -137,9 +142,17 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
             "task_key": exchange.task or task_key(redacted_messages, tools),
             "group_key": exchange.group_id,
             "redacted": redacted,
+            "h_answer": message_hash(stored_message),
+            "h_replied_to": h_replied_to,
         }
-        out.append(PreparedTurn(row=row, explicit_trajectory_id=explicit, assistant_prefix_hashes=assistant_hashes))
+        out.append(PreparedTurn(row=row, explicit_trajectory_id=explicit, assistant_prefix_hashes=assistant_hashes,
+                                parent_trajectory_id=parent_trajectory))
     return out
+
+
+def _metadata_text(metadata: dict[str, Any] | None, key: str) -> str | None:
+    """A tag the client put in the body's ``metadata`` (as a string), or None."""
+    return str(metadata[key]) if metadata and metadata.get(key) else None
 
 
 def prepare_lines(lines: list[bytes], redactor: Redactor | None, outcome: Counter[str]) -> list[PreparedTurn]:

@@ -36,7 +36,8 @@ class GatewayMetrics:
             self.tokens.labels(alias, "completion").inc(usage.get("completion_tokens") or 0)
 
     def watch_capture(self, stats: TallyCounter[str]) -> None:
-        """Export the recorder's turn counters (queued, written, spooled, reingested, failed)."""
+        """Export the recorder's counters: turns by state (queued, written, spooled, reingested, failed), written
+        turns by link rule, and the tails the linker refused as ambiguous (docs/capture.md)."""
         self.registry.register(_CaptureCollector(stats))
 
     def render(self) -> bytes:
@@ -52,3 +53,11 @@ class _CaptureCollector(Collector):
         for state in ("queued", "written", "spooled", "reingested", "failed"):
             family.add_metric([state], self.stats[state])
         yield family
+        links = CounterMetricFamily("flywheel_capture_links", "Written turns by the rule that linked them.",
+                                    labels=["rule"])
+        for rule in ("prefix", "tail", "explicit", "new"):
+            links.add_metric([rule], self.stats[f"link_{rule}"])
+        yield links
+        yield CounterMetricFamily("flywheel_capture_tail_ambiguous",
+                                  "Requests whose last answer the linker refused to link by its tail (ambiguous).",
+                                  value=self.stats["tail_ambiguous"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from capture.groups import branch_messages, branch_turns
+from capture.groups import branch_messages, branch_turns, member_messages
 from capture.models import Feedback, Group, Score, utcnow
 from capture.models import GroupMember as GroupMemberRow
 from capture.trajectory import Trajectory, TrajectoryGroup
@@ -63,9 +63,11 @@ def group_for_judge(engine: Engine, group: Group) -> tuple[TrajectoryGroup, dict
         for member in members:
             if member.leaf_turn_id is None:
                 continue
-            turns = branch_turns(session, member.leaf_turn_id, single_turn=group.source == "fork")
+            fork = group.source == "fork"
+            turns = branch_turns(session, member.leaf_turn_id, single_turn=fork)
             task = task or turns[0].task_key
-            trajectories.append(Trajectory(messages_and_choices=branch_messages(turns), tools=turns[-1].tools,
+            messages = branch_messages(turns) if fork else member_messages(session, member.trajectory_id, turns)
+            trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,
                                            id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id))
         feedback: dict[str, float] = {}
         ids = [m.trajectory_id for m in members]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from capture.store import Store
 from tests.gateway_process import GatewayProcess
 
 CLIENT_KEY = "sk-test-client-key"
@@ -40,6 +41,15 @@ def weather_followup(call_id: str) -> list[dict[str, Any]]:
                 {"id": call_id, "type": "function",
                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "sunny"}'}]
+
+
+@pytest.fixture(params=["duckdb", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A store file on DuckDB (the default) and on SQLite, which takes the generic write path PostgreSQL takes."""
+    url: Path | str = tmp_path / "s.duckdb" if request.param == "duckdb" else f"sqlite:///{tmp_path / 's.sqlite'}"
+    opened = Store(url)
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(autouse=True)

@@ -86,6 +86,12 @@ class ScriptedJudge:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    @property
+    def config_toml(self) -> str:
+        """The gateway's ``[judge]`` section for this judge (no retries: the scripted faults come in order)."""
+        return (f'[judge]\nmodel = "openai/judge"\napi_base = "{self.base_url}"\napi_key = "unused"\n'
+                "max_retries = 0\n")
+
     def prompts(self) -> list[str]:
         """The user message of every request so far (the part with the trajectories)."""
         return [next(m["content"] for m in body["messages"] if m["role"] == "user") for body in self.requests]

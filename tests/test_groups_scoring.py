@@ -44,12 +44,7 @@ engine = "up"
 base_model = "scripted"
 [auth]
 admin_key = "admin"
-[judge]
-model = "openai/judge"
-api_base = "{judge.base_url}"
-api_key = "unused"
-max_retries = 0
-[groups]
+{judge.config_toml}[groups]
 form_every_s = 3600
 {extra}
 """).start()

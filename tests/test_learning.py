@@ -77,12 +77,7 @@ default_max_tokens = 8
 engine = "local"
 [auth]
 admin_key = "admin"
-[judge]
-model = "openai/judge"
-api_base = "{judge.base_url}"
-api_key = "unused"
-max_retries = 0
-[groups]
+{judge.config_toml}[groups]
 form_every_s = 3600
 [train.args]
 learning_rate = 5e-3

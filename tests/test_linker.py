@@ -6,13 +6,11 @@ write path as PostgreSQL (executemany instead of DuckDB's Arrow inserts and upda
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import duckdb
-import pytest
 from sqlmodel import col, select
 
 from capture.models import Trajectory, Turn
@@ -20,14 +18,6 @@ from capture.store import Store
 from capture.turns import CapturedExchange, prepare_turns
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
-
-
-@pytest.fixture(params=["duckdb", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url: Path | str = tmp_path / "s.duckdb" if request.param == "duckdb" else f"sqlite:///{tmp_path / 's.sqlite'}"
-    opened = Store(url)
-    yield opened
-    opened.close()
 
 
 def exchange(i: int, messages: list[dict[str, Any]], answer: str) -> CapturedExchange:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
+from sqlalchemy import Column, MetaData, Table, UniqueConstraint, create_engine
+from sqlmodel import SQLModel, select
 
 from capture.assembler import StreamAssembler
-from capture.models import SCHEMA_VERSION, AdapterVersion, EvalMetric, JobRun, SchemaMeta
+from capture.canonical import prefix_hashes
+from capture.models import SCHEMA_VERSION, AdapterVersion, EvalMetric, JobRun, SchemaMeta, Turn
 from capture.store import SchemaError, Store
+from capture.turns import CapturedExchange, prepare_turns
 
 
 def test_new_store_records_its_schema_version(tmp_path: Path) -> None:
@@ -74,22 +80,48 @@ def test_stream_reassembly_joins_tool_call_fragments_by_index() -> None:
     assert response["usage"]["total_tokens"] == 10
 
 
-def test_a_version_1_store_is_migrated_to_2_and_keeps_its_rows(tmp_path: Path) -> None:
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+# What each migration added (tables, columns, unique constraints), so a test can make the file an older version wrote.
+ADDED_BY: dict[int, dict[str, Any]] = {
+    2: {"tables": {"job_runs"}, "unique": {"uq_adapter_versions_alias_version"},
+        "columns": {"adapter_versions": {"source", "previous_version", "decided_at", "reason", "gate"}}},
+    3: {"tables": {"eval_metrics"}},
+    4: {"columns": {"turns": {"h_answer", "h_replied_to", "link_rule", "parent_message_index", "history_edits"},
+                    "trajectories": {"parent_trajectory_id"}}},
+}
+
+
+def older_store(path: Path, version: int, rows: dict[str, list[dict[str, Any]]]) -> None:
+    """A store file as schema ``version`` had it (today's tables without what later migrations added), holding
+    ``rows``. DuckDB drops no column of an indexed table, so the file is built, not cut down."""
+    later = [added for v, added in ADDED_BY.items() if v > version]
+    tables = set().union(*(added.get("tables", set()) for added in later))
+    unique = set().union(*(added.get("unique", set()) for added in later))
+    columns = {name: set().union(*(added.get("columns", {}).get(name, set()) for added in later))
+               for name in SQLModel.metadata.tables}
+    old = MetaData()
+    for table in SQLModel.metadata.sorted_tables:
+        if table.name in tables:
+            continue
+        kept = [Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable, index=c.index)
+                for c in table.columns if c.name not in columns[table.name]]
+        constraints = [UniqueConstraint(*c.columns.keys(), name=c.name) for c in table.constraints
+                       if isinstance(c, UniqueConstraint) and c.name not in unique]
+        Table(table.name, old, *kept, *constraints)
+    engine = create_engine(f"duckdb:///{path}")
+    old.create_all(engine)
+    with engine.begin() as connection:
+        connection.execute(old.tables["schema_meta"].insert(), [{"key": "schema_version", "value": str(version)}])
+        for name, values in rows.items():
+            connection.execute(old.tables[name].insert(), values)
+    engine.dispose()
+
+
+def test_a_version_1_store_is_migrated_to_the_latest_and_keeps_its_rows(tmp_path: Path) -> None:
     """The loop's migration: job_runs appears, adapter_versions gains its decision columns, rows survive."""
     path = tmp_path / "s.duckdb"
-    Store(path).close()
-    with duckdb.connect(str(path)) as connection:  # take the file back to what schema 1 had
-        connection.execute("DROP TABLE job_runs")
-        connection.execute("DROP TABLE eval_metrics")  # schema 3's
-        for index in ("uq_adapter_versions_alias_version", "ix_adapter_versions_alias", "ix_adapter_versions_status"):
-            connection.execute(f"DROP INDEX {index}")  # DuckDB drops no column of an indexed table
-        for column in ("source", "previous_version", "decided_at", "reason", "gate"):
-            connection.execute(f"ALTER TABLE adapter_versions DROP COLUMN {column}")
-        connection.execute("CREATE INDEX ix_adapter_versions_alias ON adapter_versions (alias)")
-        connection.execute("CREATE INDEX ix_adapter_versions_status ON adapter_versions (status)")
-        connection.execute("INSERT INTO adapter_versions (id, alias, version, path, base_model, status, created_at) "
-                           "VALUES ('adv_1', 'agent', 1, '/a/1', 'tiny', 'promoted', now())")
-        connection.execute("UPDATE schema_meta SET value = '1' WHERE key = 'schema_version'")
+    older_store(path, 1, {"adapter_versions": [{"id": "adv_1", "alias": "agent", "version": 1, "path": "/a/1",
+                                                "base_model": "tiny", "status": "promoted", "created_at": T0}]})
     store = Store(path)
     try:
         assert store.schema_version() == SCHEMA_VERSION
@@ -106,13 +138,10 @@ def test_a_version_1_store_is_migrated_to_2_and_keeps_its_rows(tmp_path: Path) -
 def test_a_version_2_store_gains_the_eval_metrics_table(tmp_path: Path) -> None:
     """The SDK's migration: eval_metrics appears (model.log writes there), nothing else changes."""
     path = tmp_path / "s.duckdb"
-    Store(path).close()
-    with duckdb.connect(str(path)) as connection:
-        connection.execute("DROP TABLE eval_metrics")
-        connection.execute("UPDATE schema_meta SET value = '2' WHERE key = 'schema_version'")
+    older_store(path, 2, {})
     store = Store(path)
     try:
-        assert store.schema_version() == 3
+        assert store.schema_version() == SCHEMA_VERSION
         with store.session() as session:
             session.add(EvalMetric(id="eval_1", alias="agent", version=1, split="val", metric="reward", value=0.5,
                                    n=4))
@@ -121,3 +150,42 @@ def test_a_version_2_store_gains_the_eval_metrics_table(tmp_path: Path) -> None:
             assert meta is not None and meta.value == "sdk: eval_metrics"
     finally:
         store.close()
+
+
+OLD_QUESTION = {"role": "user", "content": "Plan a trip."}
+OLD_ANSWER = {"role": "assistant", "content": "Where would you like to go this time?"}
+OLD_TURN = {"id": "turn_old", "trajectory_id": "traj_old", "depth": 0, "choice_index": 0, "completion_id": "c-old",
+            "source": "client", "endpoint": "chat.completions", "created_at": T0, "latency_ms": 1.0,
+            "requested_model": "m", "alias": "a", "engine_model": "m", "adapter_version": 0,
+            "request_messages": [OLD_QUESTION], "response_message": OLD_ANSWER, "prompt_tokens": 0,
+            "completion_tokens": 0, "h_ctx": prefix_hashes([OLD_QUESTION])[-1],
+            "h_out": prefix_hashes([OLD_QUESTION, OLD_ANSWER])[-1], "redacted": False}
+OLD_TRAJECTORY = {"id": "traj_old", "alias": "a", "status": "open", "explicit": False, "created_at": T0,
+                  "updated_at": T0, "turn_count": 1, "branch_count": 1, "latest_turn_id": "turn_old"}
+
+
+def test_the_tail_link_migration_keeps_every_row_and_links_what_comes_next(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    older_store(path, 3, {"trajectories": [OLD_TRAJECTORY], "turns": [OLD_TURN]})
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+        with store.session() as session:
+            migrations = {m.key: m.value for m in session.exec(select(SchemaMeta)).all()}
+            old = session.get(Turn, "turn_old")
+        assert migrations["migration:4"] == "linker: tail links, history edits, sub-agent parents"
+        assert old is not None and (old.h_answer, old.link_rule, old.request_messages) == (None, None, [OLD_QUESTION])
+        follow = [OLD_QUESTION, OLD_ANSWER, {"role": "user", "content": "Lisbon."}]
+        response = {"id": "c-new", "choices": [{"index": 0, "message": {"role": "assistant", "content": "Booked."}}]}
+        store.write_turns(prepare_turns(CapturedExchange(
+            completion_id="c-new", endpoint="chat.completions", requested_model="m", alias="a", engine_model="m",
+            adapter_version=0, client_key_id=None, request={"model": "m", "messages": follow}, response=response,
+            created_at=T0, latency_ms=1.0), None))
+        with store.session() as session:
+            new = session.exec(select(Turn).where(Turn.completion_id == "c-new")).one()
+        assert (new.trajectory_id, new.parent_turn_id, new.link_rule) == ("traj_old", "turn_old", "prefix")
+    finally:
+        store.close()
+    with duckdb.connect(str(path), read_only=True) as connection:
+        indexes = {row[0] for row in connection.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
+    assert {"ix_turns_h_answer", "ix_trajectories_parent_trajectory_id"} <= indexes  # as a new store has them

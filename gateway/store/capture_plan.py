@@ -1,8 +1,10 @@
 """Deciding whether a request is captured, and what the recorder gets when it is.
 
-Headers a client may send (all optional; ``flywheel.headers()`` builds them):
+Headers a client may send (all optional; ``flywheel.headers()`` builds the first four):
 ``X-Flywheel-Capture: on|off``, ``X-Flywheel-Trajectory-Id``, ``X-Flywheel-Task``,
-``X-Flywheel-Group-Id``. ``metadata.trajectory_id`` in the body works like the header.
+``X-Flywheel-Group-Id``, and ``X-Flywheel-Parent-Trajectory-Id`` (a sub-agent's call, for the
+trajectory of the agent it works for). ``metadata.trajectory_id`` and
+``metadata.parent_trajectory_id`` in the body work like the headers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class CapturePlan:
     task: str | None
     group_id: str | None
     fork_k: int = 0  # extra samples drawn for this request and kept from the client
+    parent_trajectory_id: str | None = None  # X-Flywheel-Parent-Trajectory-Id
 
     def exchange(self, request_body: dict[str, Any], response: dict[str, Any]) -> CapturedExchange:
         return CapturedExchange(
@@ -46,6 +49,7 @@ class CapturePlan:
             client_key_id=self.client_key_id, request=request_body, response=response,
             created_at=self.started_at, latency_ms=(time.perf_counter() - self.started) * 1000,
             trajectory_id=self.trajectory_id, task=self.task, group_id=self.group_id,
+            parent_trajectory_id=self.parent_trajectory_id,
             client_choices=int(request_body.get("n") or 1) if self.fork_k else None)
 
 
@@ -71,7 +75,8 @@ def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, 
                        client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
                        trajectory_id=headers.get("trajectory-id") or None, task=headers.get("task") or None,
                        group_id=headers.get("group-id") or None,
-                       fork_k=fork_count(headers.get("fork"), groups) if endpoint == "chat.completions" else 0)
+                       fork_k=fork_count(headers.get("fork"), groups) if endpoint == "chat.completions" else 0,
+                       parent_trajectory_id=headers.get("parent-trajectory-id") or None)
 
 
 def fork_count(header: str | None, groups: GroupsConfig) -> int:

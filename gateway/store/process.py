@@ -126,7 +126,7 @@ async def ready() -> Response:
 
 @internal.get("/capture-stats")
 async def capture_stats(request: Request) -> Response:
-    """The recorder's turn counters (queued, written, spooled, reingested, failed)."""
+    """The recorder's counters: turns by state (queued, written, ...) and by link rule, tails refused."""
     return json_response(dict(StoreState.of(request).recorder.stats))
 
 

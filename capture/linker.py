@@ -1,0 +1,429 @@
+"""The linker: which trajectory, and which parent turn, each captured turn continues (architecture §4).
+
+It runs in the store process, on the recorder's writer thread, once per batch
+(:meth:`capture.store.Store.write_turns`): :meth:`TrajectoryLinker.prefetch` reads every
+candidate the batch can need with a few indexed queries, :meth:`TrajectoryLinker.link`
+then decides each turn in memory, :meth:`TrajectoryLinker.finish` records what rewritten
+histories changed, and the store writes the rows it produced.
+
+Rules, first match wins (docs/capture.md has an example of each):
+
+1. **explicit**: ``X-Flywheel-Trajectory-Id`` names the trajectory; inside it the parent is
+   found by the rules below, else it is the trajectory's latest turn.
+2. **prefix**: the request's messages up to its last assistant message hash to a stored
+   turn's ``h_out``: the client repeated that conversation verbatim (a retry or a rewind
+   when that turn has a child already: a branch).
+3. **tail**: the request's last assistant message is an answer the gateway gave
+   (``turns.h_answer``: its canonical form with its tool-call ids), though what came before
+   it changed. The candidates that agree best (the message before it too, ``h_replied_to``)
+   must all lie in one trajectory; otherwise the evidence is ambiguous and is refused.
+4. **prefix** on an older assistant message, when the latest matched nothing (the client
+   edited the model's last answer): a branch from the turn the request still repeats.
+5. **new**: a trajectory of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+from sqlalchemy import bindparam, text
+from sqlalchemy import select as sa_select
+from sqlmodel import Session, col
+
+from capture.canonical import content_text, message_hash
+from capture.history import history_edits
+from capture.models import Trajectory, Turn
+from capture.turns import PreparedTurn, new_id
+
+log = logging.getLogger("flywheel.linker")
+
+# The linker's hot queries as plain SQL: duckdb_engine turns off SQLAlchemy's statement
+# cache, and compiling an ORM select costs more than DuckDB's indexed lookup itself.
+# Forked siblings are never continued: the client never saw them.
+_CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_answer FROM turns WHERE h_out IN :hashes "
+                   "AND source <> 'fork' ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
+_ANSWERS = text("SELECT id, trajectory_id, depth, client_key_id, h_answer, h_replied_to FROM turns "
+                "WHERE h_answer IN :hashes AND source <> 'fork' ORDER BY created_at, id").bindparams(
+    bindparam("hashes", expanding=True))
+_PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id IN :ids").bindparams(
+    bindparam("ids", expanding=True))
+_CONVERSATIONS = text("SELECT id, request_messages, response_message FROM turns WHERE id IN :ids").bindparams(
+    bindparam("ids", expanding=True))
+
+_TRAJECTORIES = Trajectory.__table__  # type: ignore[attr-defined]
+# The trajectory columns linking a turn changes (TrajectoryLinker._touch_trajectory).
+TOUCHED_COLUMNS = ("status", "closed_at", "close_reason", "turn_count", "branch_count", "latest_turn_id", "updated_at",
+                   "group_key")
+# An answer whose preceding message changed too is evidence alone only when it is hard to repeat by chance.
+DISTINCT_ANSWER_CHARS = 40
+
+
+@dataclass
+class _Candidate:
+    turn_id: str
+    trajectory_id: str
+    depth: int
+    client_key_id: str | None
+    has_children: bool
+    h_answer: str | None = None
+    h_replied_to: str | None = None
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """A request's last assistant message, as the tail rule matches it."""
+
+    index: int  # its position in the request
+    answer: str  # message_hash of it
+    replied_to: str | None  # message_hash of the message before it
+    distinct: bool  # it carries tool-call ids or at least DISTINCT_ANSWER_CHARS of text
+
+
+@dataclass(frozen=True)
+class _Match:
+    parent: _Candidate
+    how: str  # prefix | tail | latest
+    position: int | None  # where the parent's answer sits in the request (None: it does not)
+
+
+class TrajectoryLinker:
+    """Finds the trajectory (and the parent turn) each new turn of a batch continues (the rules above).
+
+    Among stored turns a prefix matches (same client key), an unclaimed one (no child yet) is
+    continued, oldest first, so identical conversations are claimed one each instead of
+    merged; if all are claimed, the client rewound or retried and the new turn starts a
+    branch (when they lie in one trajectory). A tail match must be unambiguous: where it is
+    not, a new trajectory is better than a wrong link. ``counts`` tallies each turn's rule
+    (``link_prefix``, ``link_tail``, ``link_explicit``, ``link_new``) and the tails refused
+    (``tail_ambiguous``).
+
+    :meth:`prefetch` reads every candidate a batch can need: the last assistant prefix of
+    every request (``h_out IN (...)``), then, for the requests it did not resolve, their
+    older prefixes and their tails (``h_answer IN (...)``). Linking then runs in memory, and
+    turns of the same batch see each other. Per request that is O(messages) hashing and a
+    few index probes, never a scan.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        # Plain records, not ORM objects: building SQLModel objects costs ~0.4 ms each, and the ORM
+        # would flush every changed one as its own UPDATE (~1 ms each on DuckDB).
+        self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
+        self._new_trajectories: dict[str, SimpleNamespace] = {}  # created by this batch
+        self._by_hash: dict[str, list[_Candidate]] = {}  # by h_out
+        self._by_answer: dict[str, list[_Candidate]] = {}  # by h_answer
+        self._latest: dict[str, _Candidate] = {}  # explicit trajectories' latest turns
+        self._candidates: dict[str, _Candidate] = {}  # by turn id
+        self._tails: dict[str, _Tail | None] = {}  # by the new turn's id
+        self._rewritten: list[tuple[dict[str, Any], str]] = []  # (turn, parent id): history_edits to compute
+        self._batch_turns: dict[str, dict[str, Any]] = {}  # this batch's turns by id
+        self.turns: list[dict[str, Any]] = []
+        self.counts: Counter[str] = Counter()
+
+    def prefetch(self, batch: list[PreparedTurn]) -> None:
+        # Most requests continue their last assistant message: probe that prefix for every turn, and
+        # the older ones and the tail only for the turns it did not resolve. Each hash is an ART index
+        # probe (~35 us on DuckDB), so this is one probe per turn in the common case.
+        # Results are read with .all(): iterating a duckdb_engine result fetches row by row (~40 us each).
+        linkable = [item for item in batch if item.row["source"] != "fork"]
+        last = {item.assistant_prefix_hashes[0] for item in linkable if item.assistant_prefix_hashes}
+        self._probe(last)
+        unresolved: list[PreparedTurn] = []
+        answered_in_batch: set[str] = set()
+        for item in linkable:
+            hashes = item.assistant_prefix_hashes
+            if hashes and hashes[0] not in answered_in_batch and not self._resolves(item, hashes[0]):
+                unresolved.append(item)
+            answered_in_batch.add(item.row["h_out"])
+        self._probe_answers({tail.answer for tail in map(self._tail, unresolved) if tail is not None})
+        # Older prefixes (rule 4) only where the tail settles nothing: a request whose history changed
+        # has several of them, and each is a probe (~35 us).
+        self._probe({h for item in unresolved if not self._tail_pool(item) for h in item.assistant_prefix_hashes[1:]}
+                    - last)
+        wanted = sorted({c.trajectory_id for c in self._candidates.values()} |
+                        {item.explicit_trajectory_id for item in batch if item.explicit_trajectory_id} |
+                        {item.parent_trajectory_id for item in batch if item.parent_trajectory_id})
+        for chunk in chunks(wanted, 500):
+            query = sa_select(*_TRAJECTORIES.columns).where(_TRAJECTORIES.c.id.in_(chunk))
+            for row in self.session.execute(query).mappings().all():
+                self._trajectories[row["id"]] = SimpleNamespace(**row)
+        latest_ids = sorted(t.latest_turn_id for t in self._trajectories.values() if t.explicit and t.latest_turn_id)
+        columns = (col(Turn.id), col(Turn.trajectory_id), col(Turn.depth), col(Turn.client_key_id))
+        for chunk in chunks(latest_ids, 500):
+            for turn_id, trajectory_id, depth, key in self.session.execute(sa_select(*columns)
+                                                                           .where(col(Turn.id).in_(chunk))).all():
+                self._latest[trajectory_id] = self._candidate(turn_id, trajectory_id, depth, key)
+        # Which candidates already have a child (claimed): a second indexed lookup, by parent id.
+        by_id = self._candidates
+        for chunk in chunks(sorted(by_id), 500):
+            for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}).all():
+                by_id[parent_id].has_children = True
+
+    def _probe(self, hashes: set[str]) -> None:
+        """Stored turns whose ``h_out`` is one of ``hashes``, into ``_by_hash`` (oldest first)."""
+        for chunk in chunks(sorted(hashes), 500):
+            for turn_id, trajectory_id, depth, key, h_out, h_answer in self.session.execute(
+                    _CANDIDATES, {"hashes": chunk}).all():
+                candidate = self._candidate(turn_id, trajectory_id, depth, key)
+                candidate.h_answer = h_answer
+                self._by_hash.setdefault(h_out, []).append(candidate)
+
+    def _probe_answers(self, hashes: set[str]) -> None:
+        """Stored turns whose ``h_answer`` is one of ``hashes``, into ``_by_answer`` (oldest first)."""
+        for chunk in chunks(sorted(hashes), 500):
+            for turn_id, trajectory_id, depth, key, h_answer, replied_to in self.session.execute(
+                    _ANSWERS, {"hashes": chunk}).all():
+                candidate = self._candidate(turn_id, trajectory_id, depth, key)
+                candidate.h_answer, candidate.h_replied_to = h_answer, replied_to
+                self._by_answer.setdefault(h_answer, []).append(candidate)
+
+    def _resolves(self, item: PreparedTurn, h: str) -> bool:
+        """Whether the stored turns ending in ``h`` settle this turn's parent: some exist (same key; same explicit
+        trajectory), all in one trajectory (else a retry may be refused and the other rules asked)."""
+        trajectories = {c.trajectory_id for c in self._by_hash.get(h, ()) if c.client_key_id == item.row[
+            "client_key_id"] and item.explicit_trajectory_id in (None, c.trajectory_id)}
+        return len(trajectories) == 1
+
+    def _candidate(self, turn_id: str, trajectory_id: str, depth: int, key: str | None) -> _Candidate:
+        """One object per stored turn, so marking it claimed is seen by every path that found it."""
+        if turn_id not in self._candidates:
+            self._candidates[turn_id] = _Candidate(turn_id, trajectory_id, depth, key, False)
+        return self._candidates[turn_id]
+
+    def _tail(self, item: PreparedTurn) -> _Tail | None:
+        """The request's last assistant message and the one before it, hashed once per turn."""
+        turn_id = item.row["id"]
+        if turn_id not in self._tails:
+            messages = item.row["request_messages"] or []
+            index = _last_assistant(messages)
+            if index is None:
+                self._tails[turn_id] = None
+            else:
+                answer = messages[index]
+                distinct = any(isinstance(c, dict) and c.get("id") for c in answer.get("tool_calls") or []) or \
+                    len(content_text(answer.get("content"))) >= DISTINCT_ANSWER_CHARS
+                self._tails[turn_id] = _Tail(index, message_hash(answer),
+                                             message_hash(messages[index - 1]) if index else None, distinct)
+        return self._tails[turn_id]
+
+    def link(self, item: PreparedTurn) -> dict[str, Any]:
+        """The turn's row with its trajectory, parent, depth and link rule filled in."""
+        row = item.row
+        match: _Match | None = None
+        if row["source"] == "fork":  # a sibling the client never saw: its own one-turn trajectory
+            trajectory_id, rule = new_id("traj"), "new"
+        elif item.explicit_trajectory_id and self._owned_by(item.explicit_trajectory_id, row["client_key_id"]):
+            trajectory_id, rule = item.explicit_trajectory_id, "explicit"
+            match = self._parent_in(trajectory_id, item)
+        else:
+            match = self._find_parent(item)
+            rule = match.how if match else "new"
+            trajectory_id = match.parent.trajectory_id if match else new_id("traj")
+            existing = self._trajectory(trajectory_id) if match else None
+            if existing is not None and existing.status == "closed":
+                trajectory_id = new_id("traj")  # closed ones are never reopened; parent_turn_id keeps the history
+            if trajectory_id == item.parent_trajectory_id:
+                trajectory_id = new_id("traj")  # the client says this is a sub-agent, not its parent's next turn
+        parent = match.parent if match else None
+        turn = {**row, "trajectory_id": trajectory_id, "parent_turn_id": parent.turn_id if parent else None,
+                "depth": parent.depth + 1 if parent else 0, "link_rule": rule,
+                "parent_message_index": match.position if match else None, "history_edits": None}
+        if match is not None and match.how != "prefix":
+            self._rewritten.append((turn, match.parent.turn_id))
+        self._touch_trajectory(turn, explicit=trajectory_id == item.explicit_trajectory_id,
+                               branched=parent is not None and parent.has_children,
+                               parent_trajectory_id=item.parent_trajectory_id)
+        if parent is not None:
+            parent.has_children = True
+        mine = _Candidate(turn["id"], trajectory_id, turn["depth"], turn["client_key_id"], False,
+                          row.get("h_answer"), row.get("h_replied_to"))
+        self._by_hash.setdefault(turn["h_out"], []).append(mine)  # later turns of this batch see this one
+        if row.get("h_answer"):
+            self._by_answer.setdefault(row["h_answer"], []).append(mine)
+        self._latest[trajectory_id] = mine
+        self._batch_turns[turn["id"]] = turn
+        self.turns.append(turn)
+        self.counts[f"link_{rule}"] += 1
+        return turn
+
+    def finish(self) -> None:
+        """Record what each turn linked to a rewritten history changed (``history_edits``): one read of the
+        stored parents' messages for the whole batch."""
+        stored = sorted({parent_id for _, parent_id in self._rewritten if parent_id not in self._batch_turns})
+        conversations: dict[str, list[dict[str, Any]]] = {}
+        for chunk in chunks(stored, 500):
+            for turn_id, request, response in self.session.execute(_CONVERSATIONS, {"ids": chunk}).all():
+                conversations[turn_id] = [*(_json_value(request) or []), _json_value(response) or {}]
+        for turn, parent_id in self._rewritten:
+            parent = self._batch_turns.get(parent_id)
+            previous = [*parent["request_messages"], parent["response_message"]] if parent else \
+                conversations.get(parent_id, [])
+            sent = turn["request_messages"] or []
+            at = turn["parent_message_index"]
+            if at is None:  # no answer of the parent in the request: compare up to its last assistant message
+                tail = self._tails.get(turn["id"])
+                at = tail.index if tail else -1
+            turn["history_edits"] = history_edits(previous, sent[:at + 1])
+        self._rewritten.clear()
+
+    def new_trajectories(self) -> list[dict[str, Any]]:
+        """Rows of the trajectories this batch started (the store inserts them)."""
+        return [vars(t) for t in self._new_trajectories.values()]
+
+    def touched_trajectories(self) -> list[dict[str, Any]]:
+        """Stored trajectories this batch continued: the store updates their :data:`TOUCHED_COLUMNS`."""
+        return [vars(t) for t in self._trajectories.values()]
+
+    def _find_parent(self, item: PreparedTurn) -> _Match | None:
+        """Rules 2-4: the last assistant prefix, the tail, the older prefixes."""
+        hashes = item.assistant_prefix_hashes
+        if not hashes:  # a first request: nothing to continue
+            return None
+        last = _last_assistant(item.row["request_messages"] or [])
+        if last is None:
+            return None
+        found = self._prefix_match(item, hashes[0], last)
+        if found is not None:
+            return _Match(found, "prefix", last)
+        tail = self._tail_match(item)
+        if tail is not None:
+            return tail
+        positions = _assistant_positions(item)
+        for h, position in zip(hashes[1:], positions[1:], strict=True):
+            found = self._prefix_match(item, h, position)
+            if found is not None:
+                return _Match(found, "prefix", position)
+        return None
+
+    def _prefix_match(self, item: PreparedTurn, h: str, position: int) -> _Candidate | None:
+        """A stored turn whose conversation the request repeats up to ``position``: the unclaimed one, oldest
+        first, else the latest (a retry or a rewind: a branch) when they all lie in one trajectory; a retry
+        that several identical conversations could have made starts a trajectory of its own. Conversations
+        alike but for their tool-call ids (the prefix hashes leave them out) are told apart by the answer's
+        own hash, ids included."""
+        candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == item.row["client_key_id"]]
+        if len(candidates) > 1:
+            answer = message_hash(item.row["request_messages"][position])
+            candidates = [c for c in candidates if c.h_answer == answer] or candidates
+        unclaimed = [c for c in candidates if not c.has_children]
+        if unclaimed:
+            return unclaimed[0]
+        return candidates[-1] if len({c.trajectory_id for c in candidates}) == 1 else None
+
+    def _tail_match(self, item: PreparedTurn, within: str | None = None) -> _Match | None:
+        """Rule 3 (inside trajectory ``within`` when given): the stored turns (same key) that gave the request's
+        last answer and agree best must all lie in one trajectory; its unclaimed one (or, all claimed, its
+        latest: a retry after the history changed) is the parent. A refusal outside an explicit trajectory
+        is counted."""
+        pool = self._tail_pool(item, within)
+        tail = self._tail(item)
+        if not pool or tail is None:
+            if pool == [] and within is None:
+                self.counts["tail_ambiguous"] += 1
+            return None
+        unclaimed = [c for c in pool if not c.has_children]
+        return _Match(unclaimed[0] if unclaimed else pool[-1], "tail", tail.index)
+
+    def _tail_pool(self, item: PreparedTurn, within: str | None = None) -> list[_Candidate] | None:
+        """The candidates rule 3 chooses from: None when no stored turn gave the request's last answer, ``[]`` when
+        some did but the evidence is ambiguous (several trajectories, or a short answer alone)."""
+        tail = self._tail(item)
+        if tail is None:
+            return None
+        candidates = [c for c in self._by_answer.get(tail.answer, ()) if c.client_key_id == item.row["client_key_id"]
+                      and within in (None, c.trajectory_id)]
+        if not candidates:
+            return None
+        agreeing = [c for c in candidates if tail.replied_to is not None and c.h_replied_to == tail.replied_to]
+        pool = agreeing or (candidates if tail.distinct else [])
+        return pool if len({c.trajectory_id for c in pool}) == 1 else []
+
+    def _parent_in(self, trajectory_id: str, item: PreparedTurn) -> _Match | None:
+        """Rule 1: inside an explicit trajectory, rules 2-4 restricted to it, else its latest turn."""
+        hashes, positions = item.assistant_prefix_hashes, _assistant_positions(item)
+        for index, (h, position) in enumerate(zip(hashes, positions, strict=True)):
+            found = [c for c in self._by_hash.get(h, ()) if c.trajectory_id == trajectory_id]
+            if found:
+                return _Match(found[-1], "prefix", position)
+            if index == 0:
+                tail = self._tail_match(item, within=trajectory_id)
+                if tail is not None:
+                    return tail
+        latest = self._latest.get(trajectory_id)
+        return _Match(latest, "latest", None) if latest is not None else None
+
+    def _owned_by(self, trajectory_id: str, client_key_id: str | None) -> bool:
+        """An explicit id binds only within one client key: key B cannot append to key A's trajectory."""
+        existing = self._trajectory(trajectory_id)
+        if existing is None or existing.client_key_id == client_key_id:
+            return True
+        log.warning("explicit trajectory id %s belongs to another client key; starting a new trajectory",
+                    trajectory_id)
+        return False
+
+    def _trajectory(self, trajectory_id: str) -> SimpleNamespace | None:
+        return self._trajectories.get(trajectory_id) or self._new_trajectories.get(trajectory_id)
+
+    def _sub_agent_parent(self, requested: str | None, trajectory_id: str, client_key_id: str | None) -> str | None:
+        """The parent a sub-agent's new trajectory names, when it is another trajectory of the same client key
+        that exists already (so parents never form a cycle and no key attaches to another's)."""
+        if not requested or requested == trajectory_id:
+            return None
+        parent = self._trajectory(requested)
+        if parent is None or parent.client_key_id != client_key_id:
+            log.warning("parent trajectory id %s is unknown or belongs to another client key; %s is not linked "
+                        "to it", requested, trajectory_id)
+            return None
+        return requested
+
+    def _touch_trajectory(self, turn: dict[str, Any], *, explicit: bool, branched: bool,
+                          parent_trajectory_id: str | None) -> None:
+        trajectory = self._trajectory(turn["trajectory_id"])
+        if trajectory is None:  # a sub-agent's parent is set when its trajectory starts, never later
+            trajectory = SimpleNamespace(
+                id=turn["trajectory_id"], alias=turn["alias"], status="open", explicit=explicit,
+                client_key_id=turn["client_key_id"], task_key=turn["task_key"], group_key=turn["group_key"],
+                created_at=turn["created_at"], updated_at=turn["created_at"], closed_at=None, close_reason=None,
+                turn_count=0, branch_count=1, latest_turn_id=None, extra_metadata=turn["request_metadata"],
+                parent_trajectory_id=self._sub_agent_parent(parent_trajectory_id, turn["trajectory_id"],
+                                                            turn["client_key_id"]))
+            self._new_trajectories[trajectory.id] = trajectory
+        if trajectory.status == "closed":  # only an explicit id gets here: the client chose to continue it
+            trajectory.status, trajectory.closed_at, trajectory.close_reason = "open", None, None
+        if turn["source"] == "fork":
+            trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", turn["created_at"], "fork"
+        trajectory.turn_count += 1
+        trajectory.branch_count += 1 if branched else 0
+        trajectory.latest_turn_id = turn["id"]
+        trajectory.updated_at = turn["created_at"]
+        trajectory.group_key = trajectory.group_key or turn["group_key"]
+
+
+def _last_assistant(messages: list[dict[str, Any]]) -> int | None:
+    """Where the request's last assistant message sits (a scan from the end: it is usually near)."""
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "assistant":
+            return index
+    return None
+
+
+def _assistant_positions(item: PreparedTurn) -> list[int]:
+    """Where the request's assistant messages sit, last first (aligned with ``assistant_prefix_hashes``)."""
+    messages = item.row["request_messages"] or []
+    return [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON column read by plain SQL: text on DuckDB and SQLite, already decoded on PostgreSQL."""
+    return orjson.loads(value) if isinstance(value, str | bytes) else value
+
+
+def chunks(items: list[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
