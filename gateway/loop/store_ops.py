@@ -329,12 +329,16 @@ def summarize(values: list[float]) -> dict[str, float | int]:
 
 @op("heldout_contexts")
 def heldout_contexts(store: Store, settings: Settings, alias: str, count: int) -> list[dict[str, Any]]:
-    """The first request of the ``count`` most recent held-out conversations (never in a group, so never trained on)."""
+    """The first request of the ``count`` most recent held-out conversations (never in a group, so never trained on).
+
+    Sub-agent trajectories are left out: they are scored (and may be trained) with their parent's group.
+    """
     fraction = holdout_fraction(settings)
     grouped = select(GroupMember.trajectory_id)
     with store.session() as session:
         recent = session.exec(select(Trajectory.id).where(Trajectory.alias == alias, Trajectory.status == "closed",
                                                           col(Trajectory.close_reason) != "fork",
+                                                          col(Trajectory.parent_trajectory_id).is_(None),
                                                           col(Trajectory.id).not_in(grouped))
                               .order_by(col(Trajectory.closed_at).desc()).limit(max(count * 50, 1000))).all()
         chosen = [t for t in recent if held_out(t, fraction)][:count]
