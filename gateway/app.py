@@ -35,6 +35,7 @@ from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
 from gateway.store.link import StoreLink, redactor_for
 from gateway.store.routes import STORE_ROUTERS
+from gateway.ui.routes import install as install_dashboard
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -113,6 +114,7 @@ def build_app(settings: Settings) -> FastAPI:
             app.add_route(route.path, forward_to_store, methods=list(route.methods))
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    install_dashboard(app, settings)  # /flywheel/ui (docs/dashboard.md)
     install_error_handlers(app)
     return app
 

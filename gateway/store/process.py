@@ -40,6 +40,7 @@ from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.errors import BadRequest, NotFound
+from gateway.loop import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
 from gateway.loop.store_ops import OPS, is_async
 from gateway.loop.versions import VersionError
 from gateway.observability.tracing import Tracing
