@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import gzip
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from starlette.routing import Route
 from gateway.observability.completions import unix_ns
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI, free_port
+from tests.test_loop_versions import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -84,16 +84,6 @@ class OtlpReceiver:
 
     def named(self, pattern: str) -> list[dict[str, Any]]:
         return [s for s in self.spans if re.fullmatch(pattern, s["name"])]
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def weather_agent(body: dict[str, Any]) -> Reply:

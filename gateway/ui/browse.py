@@ -68,9 +68,7 @@ async def trajectories(request: Request) -> Response:
 @router.get("/trajectories/{trajectory_id:path}")
 async def trajectory(trajectory_id: str, request: Request) -> Response:
     viewer = common.viewer(request)
-    detail = await common.read(request, "ui_trajectory", trajectory_id=trajectory_id)
-    if detail is None:
-        raise PageError(404, f"No trajectory found with id {trajectory_id!r}.")
+    detail = await common.read_one(request, "ui_trajectory", "trajectory", trajectory_id, trajectory_id=trajectory_id)
     branches = detail["branches"] or [[]]
     raw = request.query_params.get("branch")
     if raw is not None and not (raw.isdigit() and 1 <= int(raw) <= len(branches)):
@@ -96,9 +94,7 @@ async def groups(request: Request) -> Response:
 @router.get("/groups/{group_id:path}")
 async def group(group_id: str, request: Request) -> Response:
     viewer = common.viewer(request)
-    found = await common.read(request, "ui_group", group_id=group_id)
-    if found is None:
-        raise PageError(404, f"No group found with id {group_id!r}.")
+    found = await common.read_one(request, "ui_group", "group", group_id, group_id=group_id)
     members = []
     for member in found["members"]:
         detail = member["trajectory"]

@@ -32,6 +32,14 @@ async def read(request: Request, name: str, **kwargs: Any) -> Any:
         raise PageError(exc.status_code, exc.message) from None
 
 
+async def read_one(request: Request, name: str, kind: str, identifier: str, **kwargs: Any) -> Any:
+    """A store operation's answer about one thing, or a 404 page when it answers None (no such thing)."""
+    found = await read(request, name, **kwargs)
+    if found is None:
+        raise PageError(404, f"No {kind} found with id {identifier!r}.")
+    return found
+
+
 async def form(request: Request) -> dict[str, str]:
     """A posted URL-encoded form, first value of each field (bounded before it is read)."""
     body = await read_body(request, FORM_LIMIT)
