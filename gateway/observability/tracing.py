@@ -10,6 +10,7 @@ dropped too — both counted (:class:`SpanCounts`) and shown in ``/metrics``.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -27,6 +28,16 @@ log = logging.getLogger("flywheel.telemetry")
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 Attributes = Mapping[str, Any]
+
+
+def require(module: str, extra: str) -> None:
+    """Refuse to start, saying which extra to install, when an observability package is missing."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise RuntimeError(f"{module} is not installed: pip install 'flywheel-rl[{extra}]' (docs/observability.md)")
 
 
 def tracing_enabled(config: TelemetryConfig) -> bool:
@@ -124,6 +135,7 @@ class Tracing:
         """The process's tracing, or None when no OTLP endpoint is configured."""
         if not tracing_enabled(config):
             return None
+        require("opentelemetry.exporter.otlp.proto.http", "telemetry")
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider

@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 from gateway.config import Settings
+from gateway.observability.tracing import require
 
 log = logging.getLogger("flywheel.tracking")
 
@@ -105,11 +106,22 @@ class WandbWriter:
 
     def _work(self) -> None:
         runs: dict[str, Any] = {}
+        unstartable: set[str] = set()  # a run W&B refused to start (no key, no network): said once
         while (item := self.queue.get()) is not _STOP:
             alias, record = item
+            if alias in unstartable:
+                self.counts["failed"] += 1
+                continue
             try:
-                run = runs.get(alias) or runs.setdefault(alias, self._start_run(alias))
-                run.log(record)
+                if alias not in runs:
+                    runs[alias] = self._start_run(alias)
+            except Exception:
+                log.exception("tracking: W&B would not start a run for %s; its records are dropped", alias)
+                unstartable.add(alias)
+                self.counts["failed"] += 1
+                continue
+            try:
+                runs[alias].log(record)
                 self.counts["logged"] += 1
             except Exception:  # W&B's trouble costs a record, never the gateway
                 log.exception("tracking: could not log to W&B for %s", alias)
@@ -150,6 +162,7 @@ class Tracker:
     def start(cls, settings: Settings, read: Any) -> Tracker | None:
         if not settings.tracking.report_to:
             return None
+        require("wandb", "tracking")
         tracker = cls(settings, read)
         tracker.writer.thread.start()
         tracker._task = asyncio.create_task(tracker._refresh_loop(), name="flywheel-tracking")
