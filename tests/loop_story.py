@@ -24,7 +24,7 @@ import openai
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply
-from tests.test_loop_versions import CANARY, admin, converse, status, wait_for
+from tests.test_loop_versions import CANARY, admin, converse, start, status, wait_for
 from tests.vllm_standin import BASE, VllmStandIn
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -33,15 +33,9 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
 HOSTILE = "Weather in <b>Paris</b>? <script>alert('xss')</script>"  # client text is untrusted HTML
 
 
-def config(vllm: VllmStandIn, judge: ScriptedJudge, extra: str = "") -> str:
+def judged(judge: ScriptedJudge, extra: str = "") -> str:
+    """The story's configuration beyond the vLLM stand-in's alias: the scripted judge, the canary loop."""
     return f"""
-[engines.vllm]
-base_url = "{vllm.base_url}"
-[aliases.agent]
-engine = "vllm"
-base_model = "{BASE}"
-[auth]
-admin_key = "admin"
 [judge]
 model = "openai/judge"
 api_base = "{judge.base_url}"
@@ -135,7 +129,7 @@ class Story:
 def tell(tmp: Path, vllm: VllmStandIn, judge: ScriptedJudge, extra: str = "", *, full: bool = True) -> Story:
     """Weather group scored; v1 (trained) rejected by the canary; v2 (trained) promoted by it, then rolled back
     by the monitor; with ``full``, v3 fails to load twice (failed gate runs) and then stays on canary."""
-    gateway = GatewayProcess(tmp, config(vllm, judge, extra), name="story").start()
+    gateway = start(tmp, vllm, judged(judge, extra), name="story")
     story = Story(gateway)
     story.trajectories = weather_group(gateway, vllm)
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
