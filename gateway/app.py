@@ -29,11 +29,13 @@ from gateway.engines.base import Engine
 from gateway.errors import OpenAIError
 from gateway.loop.promotion import restore_serving
 from gateway.loop.scheduler import Loop
+from gateway.observability.loop_jobs import Observability
 from gateway.process import tune_gc
 from gateway.routing import ModelRouter, ServedModel
 from gateway.state import GatewayState
 from gateway.store.link import StoreLink, redactor_for
 from gateway.store.routes import STORE_ROUTERS
+from gateway.ui.routes import install as install_dashboard
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -80,9 +82,12 @@ def build_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await start_gateway(settings)
-        loop = Loop(state, local_url(settings))
+        observability = Observability.start(settings, state.store_link.op)  # traces, tracking: off by default
+        state.metrics.registry.register(observability.collector())
+        loop = Loop(state, local_url(settings), observability)
         await loop.start()
         app.state.gateway, app.state.metrics, app.state.loop = state, state.metrics, loop
+        app.state.observability = observability
         announcing = asyncio.create_task(announce_when_listening(settings))
         tune_gc()  # everything the gateway keeps is allocated by now
         log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s",
@@ -94,6 +99,7 @@ def build_app(settings: Settings) -> FastAPI:
             announcing.cancel()
             withdraw(settings)
             await loop.stop()
+            await observability.close()
             await state.store_link.aclose()  # SIGTERM: the store process writes everything it was sent
             for engine in state.engines.values():
                 await engine.aclose()
@@ -109,6 +115,7 @@ def build_app(settings: Settings) -> FastAPI:
             app.add_route(route.path, forward_to_store, methods=list(route.methods))
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    install_dashboard(app, settings)  # /flywheel/ui (docs/dashboard.md)
     install_error_handlers(app)
     return app
 
@@ -138,5 +145,6 @@ async def healthz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = GatewayState.of(request)
     await state.store_link.refresh_capture_counts()
+    await request.app.state.observability.refresh(state.store_link)
     return Response(state.metrics.render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")

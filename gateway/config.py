@@ -192,6 +192,31 @@ class LoopConfig(BaseModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
 
+class TelemetryConfig(BaseModel):
+    """OpenTelemetry traces over OTLP/HTTP (docs/observability.md): on when an endpoint is set here or in
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; off otherwise."""
+
+    endpoint: str | None = None  # OTLP/HTTP base URL (/v1/traces is appended); unset: the OTEL_ variables
+    headers: dict[str, SecretStr] = Field(default_factory=dict)  # e.g. Authorization; unset: OTEL_EXPORTER_OTLP_HEADERS
+    service_name: str = "flywheel"  # resource service.name, unless OTEL_SERVICE_NAME is set
+    timeout_s: float = Field(default=10.0, gt=0)  # one export request, retries included
+    queue_size: int = Field(default=2048, ge=1)  # spans waiting for export; beyond it they are dropped and counted
+    batch_size: int = Field(default=512, ge=1)  # spans per export request
+    export_every_s: float = Field(default=2.0, gt=0)  # how often the queue is exported
+    capture_content: bool = False  # gen_ai.input/output.messages: the stored (redacted) conversation text
+
+
+class TrackingConfig(BaseModel):
+    """Experiment tracking of training rounds, gate results and reward per version (docs/observability.md)."""
+
+    report_to: list[Literal["wandb"]] = Field(default_factory=list)  # empty: off
+    project: str = "flywheel"
+    entity: str | None = None  # the W&B team or user; unset: the key's default
+    mode: Literal["online", "offline"] | None = None  # unset: WANDB_MODE, else W&B's default (online)
+    dir: Path | None = None  # where run files go; unset: <data_dir>/tracking
+    queue_size: int = Field(default=1000, ge=1)  # events waiting for the tracking thread; beyond it: dropped
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -221,6 +246,8 @@ class Settings(BaseSettings):
     rewards: RewardPolicy = Field(default_factory=RewardPolicy)
     train: TrainConfig = Field(default_factory=TrainConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @property
     def database(self) -> str:

@@ -29,6 +29,7 @@ from gateway.errors import BadRequest, OpenAIError
 from gateway.loop.promotion import promote_version, register_adapter
 from gateway.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
 from gateway.protocol import parse_json_object, validate_request
+from gateway.routing import ServedModel
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/flywheel/v1")
@@ -114,9 +115,14 @@ async def promote(alias: str, request: Request) -> Response:
     state = await _admin(request)
     body = await _body(request, PromoteRequest, state)
     state.router.get(alias)
-    await _end_canary(state, alias, unless_version=body["version"])
-    served = await promote_version(state, alias, body["version"], reason="promoted by hand")
-    return json_response(alias_info(served))
+    return json_response(alias_info(await promote_by_hand(state, alias, body["version"])))
+
+
+async def promote_by_hand(state: GatewayState, alias: str, version: int, reason: str = "promoted by hand"
+                          ) -> ServedModel:
+    """Serve ``version`` now, no gate (the admin API, the dashboard); a canary of another version is stopped."""
+    await _end_canary(state, alias, unless_version=version)
+    return await promote_version(state, alias, version, reason=reason)
 
 
 class RollbackRequest(BaseModel):
@@ -129,12 +135,16 @@ async def rollback(alias: str, request: Request) -> Response:
     state = await _admin(request)
     body = await _body(request, RollbackRequest, state)
     state.router.get(alias)
-    version = body.get("version")
+    return json_response(alias_info(await rollback_by_hand(state, alias, body.get("version"))))
+
+
+async def rollback_by_hand(state: GatewayState, alias: str, version: int | None = None,
+                           reason: str = "rolled back by hand") -> ServedModel:
+    """Back to ``version`` (None: the one served before the current one); the current one is ``rolled_back``."""
     if version is None:
         version = await state.store_link.op("rollback_target", alias=alias)
     await _end_canary(state, alias)
-    served = await promote_version(state, alias, version, replaced_status="rolled_back", reason="rolled back by hand")
-    return json_response(alias_info(served))
+    return await promote_version(state, alias, version, replaced_status="rolled_back", reason=reason)
 
 
 async def _end_canary(state: GatewayState, alias: str, unless_version: int | None = None) -> None:

@@ -35,6 +35,7 @@ from gateway.loop.abtest import SequentialTest
 from gateway.loop.canary import CanarySplit
 from gateway.loop.child import TrainingChild
 from gateway.loop.promotion import promote_version
+from gateway.observability.loop_jobs import Observability
 from gateway.state import GatewayState
 
 log = logging.getLogger("flywheel.loop")
@@ -59,8 +60,9 @@ def _now() -> str:
 class Loop:
     """Schedules the jobs and runs each one with its record in ``job_runs``."""
 
-    def __init__(self, state: GatewayState, gateway_url: str) -> None:
+    def __init__(self, state: GatewayState, gateway_url: str, observability: Observability | None = None) -> None:
         self.state = state
+        self.observability = observability or Observability()  # a span per run, the tracker's cue
         self.settings = state.settings
         self.child = TrainingChild(state.settings, gateway_url)
         self.scheduler = AsyncIOScheduler()
@@ -121,7 +123,10 @@ class Loop:
     # -- running one job ------------------------------------------------------------------------------------
 
     async def run(self, job: str, alias: str | None) -> dict[str, Any]:
-        """Run ``job`` now (for ``alias``), recorded in ``job_runs``; never raises."""
+        """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises."""
+        return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
+
+    async def _run(self, job: str, alias: str | None) -> dict[str, Any]:
         lock = self.lock(job, alias)
         if lock.locked():
             return {"job": job, "alias": alias, "status": "busy", "detail": "a run of this job is in progress"}

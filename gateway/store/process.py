@@ -40,8 +40,10 @@ from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.errors import BadRequest, NotFound
+from gateway.loop import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
 from gateway.loop.store_ops import OPS, is_async
 from gateway.loop.versions import VersionError
+from gateway.observability.tracing import Tracing
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
 from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
@@ -55,13 +57,23 @@ _CHUNK = 1 << 20  # ingest socket reads
 
 def open_state(settings: Settings) -> StoreState:
     """Open (or migrate, or refuse) the store and build the recorder around it."""
-    store = Store(settings.database)
+    store = open_store(settings)
     capture = settings.capture
     recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
                         queue_size=capture.queue_size, batch_size=capture.batch_size,
                         batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s)
     return StoreState(settings=settings, auth=Authenticator.from_config(settings.auth), store=store,
                       recorder=recorder)
+
+
+def open_store(settings: Settings) -> Store:
+    """The store; with tracing on, one that emits a span per completion it writes (docs/observability.md)."""
+    tracing = Tracing.start(settings.telemetry, process="store")
+    if tracing is None:
+        return Store(settings.database)
+    from gateway.observability.completions import TracedStore
+
+    return TracedStore(settings.database, tracing, capture_content=settings.telemetry.capture_content)
 
 
 class IngestListener:
@@ -128,6 +140,13 @@ async def ready() -> Response:
 async def capture_stats(request: Request) -> Response:
     """The recorder's counters: turns by state (queued, written, ...) and by link rule, tails refused."""
     return json_response(dict(StoreState.of(request).recorder.stats))
+
+
+@internal.get("/telemetry-stats")
+async def telemetry_stats(request: Request) -> Response:
+    """The completion spans' counters (exported, dropped, queued); empty with tracing off."""
+    tracing: Tracing | None = getattr(StoreState.of(request).store, "tracing", None)  # a TracedStore's
+    return json_response(tracing.counts.snapshot() if tracing is not None else {})
 
 
 @internal.post("/ops/{name}")
