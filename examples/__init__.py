@@ -1,0 +1,1 @@
+"""Example agents that run against a Flywheel gateway with the plain ``openai`` client."""
