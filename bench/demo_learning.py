@@ -59,9 +59,9 @@ COLLAPSED_FORMAT_RATE = 0.5  # below this share of well-formed first turns a can
 class Args:
     grpo: str = "{}"
     """GRPOArgs overrides as JSON, on top of GRPOArgs.tiny() and DEFAULT_GRPO (what [train.args] would hold)"""
-    group_size: int = 8
+    group_size: int = 4
     """attempts per request: the size of a same-task group"""
-    groups_per_round: int = 8
+    groups_per_round: int = 16
     """requests (groups) sampled and trained per round"""
     temperature: float = 1.0
     """sampling temperature of the episodes (GRPOArgs.temperature follows it)"""
@@ -104,7 +104,10 @@ class Args:
 
 
 # What the demo trains with unless --grpo says otherwise (docs/demo.md: how these were chosen).
-DEFAULT_GRPO: dict[str, Any] = {"max_completion_tokens": 96, "progress": False}
+# The settings `flywheel demo` trains with (docs/demo.md has the runs that chose them).
+DEFAULT_GRPO: dict[str, Any] = {"max_completion_tokens": 96, "progress": False, "learning_rate": 3e-3,
+                                "per_device_train_batch_size": 4, "gradient_accumulation_steps": 16,
+                                "num_train_epochs": 4, "beta": 0.05, "max_grad_norm": 0.05}
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -229,7 +232,7 @@ def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, gr
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model: Any, tokenizer: Any, held_out: list[task.Request], samples: int, seed: int) -> dict[str, float]:
+def evaluate(model: Any, tokenizer: Any, held_out: list[task.Request], samples: int, seed: int) -> dict[str, Any]:
     """Right-tool and format rates of first turns on held-out requests: sampled at T=1, and greedy."""
     per_request = max(1, samples // len(held_out))
     prompts = [render(tokenizer, task.first_messages(r)) for r in held_out]
@@ -239,7 +242,9 @@ def evaluate(model: Any, tokenizer: Any, held_out: list[task.Request], samples: 
     right = [r.tool for r in held_out for _ in range(per_request)]
     called = [task.called_tool(t.message, truncated=t.truncated) for t in sampled]
     called_greedy = [task.called_tool(t.message, truncated=t.truncated) for t in greedy]
-    return {"right_tool": mean([c == r for c, r in zip(called, right, strict=True)]),
+    hits = list(zip(called, right, strict=True))
+    by_tool = {tool: mean([c == r for c, r in hits if r == tool]) for tool in task.TOOL_NAMES}
+    return {"right_tool": mean([c == r for c, r in hits]), "by_tool": by_tool,
             "format": mean([c is not None for c in called]),
             "right_tool_greedy": mean([c == r.tool for c, r in zip(called_greedy, held_out, strict=True)]),
             "format_greedy": mean([c is not None for c in called_greedy]),
@@ -377,9 +382,11 @@ def main() -> None:
     policy = load_policy(base, None)
     baseline = evaluate(policy, tokenizer, held_out, args.eval_samples, seed=args.seed)
     curve: list[dict[str, Any]] = [{"round": 0, "clock_s": 0.0, **baseline}]
-    print("round  clock_s  sample_s  train_s  steps  reward  ep_right  right_T1  right_greedy  format_T1  tokens")
+    print("round  clock_s  sample_s  train_s  steps  reward  ep_right  right_T1  right_greedy  format_T1  tokens  "
+          + " ".join(task.TOOL_NAMES))
     print(f"{0:>5}  {0:>7.0f}  {'':>8}  {'':>7}  {'':>5}  {'':>6}  {'':>8}  {baseline['right_tool']:>8.3f}  "
-          f"{baseline['right_tool_greedy']:>12.3f}  {baseline['format']:>9.3f}  {baseline['mean_tokens']:>6.1f}",
+          f"{baseline['right_tool_greedy']:>12.3f}  {baseline['format']:>9.3f}  {baseline['mean_tokens']:>6.1f}  "
+          f"{' '.join(f'{v:.2f}' for v in baseline['by_tool'].values())}",
           flush=True)
 
     # 3. rounds: sample -> reward -> groups -> train (continuing) -> evaluate
@@ -417,8 +424,8 @@ def main() -> None:
         curve.append(point)
         print(f"{round_:>5}  {clock:>7.0f}  {sample_s:>8.1f}  {train_s:>7.1f}  {point['steps']:>5.0f}  "
               f"{point['episode_reward']:>6.3f}  {point['episode_right_tool']:>8.3f}  {rates['right_tool']:>8.3f}  "
-              f"{rates['right_tool_greedy']:>12.3f}  {rates['format']:>9.3f}  {rates['mean_tokens']:>6.1f}",
-              flush=True)
+              f"{rates['right_tool_greedy']:>12.3f}  {rates['format']:>9.3f}  {rates['mean_tokens']:>6.1f}  "
+              f"{' '.join(f'{v:.2f}' for v in rates['by_tool'].values())}", flush=True)
 
     # 4. the curve against the loop clock
     summary = {"baseline": baseline["right_tool"]}

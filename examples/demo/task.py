@@ -48,28 +48,29 @@ TOOL_NAMES = list(TOOL_DESCRIPTIONS)
 TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": name, "description": description}}
                                for name, description in TOOL_DESCRIPTIONS.items()]
 CUES = {"order": "order", "price": "price", "calendar": "meeting", "email": "email"}
+# The cue word ends each request: a tiny model finds a word at a fixed distance from the end of the
+# prompt from fewer examples than one anywhere in the sentence (docs/demo.md).
 TEMPLATES = {
-    "order": ["Where is my order for the {item}?", "My order of a {item} has not come yet.",
-              "Is my {item} order late?"],
-    "price": ["What is the price of the {item}?", "Did the price of the {item} go down?",
-              "Tell me the price of a new {item}."],
-    "calendar": ["Can I get a meeting to fix my {item}?", "I want a meeting about my broken {item}.",
-                 "Set up a meeting for my {item} repair."],
-    "email": ["Please email me the receipt for my {item}.", "Can you email me the bill for the {item}?",
-              "I need the {item} invoice by email."],
+    "order": ["My {item} is late, where is my order?", "Did you ship my {item} order?",
+              "I want to track my {item} order.", "Any news on my {item} order?"],
+    "price": ["I would like to know the {item} price.", "How much is the {item}, what is the price?",
+              "Is there a lower {item} price?", "Can you tell me the {item} price?"],
+    "calendar": ["My {item} is broken, can I get a meeting?", "I need a {item} repair meeting.",
+                 "Can we set up a {item} meeting?", "Please book a {item} meeting."],
+    "email": ["Send the {item} receipt by email.", "I need my {item} bill by email.",
+              "Can I get the {item} invoice by email?", "Please send the {item} warranty by email."],
 }
 ITEMS = ["laptop", "phone", "chair", "lamp", "bike", "camera", "desk", "kettle", "printer", "sofa"]
-OPENERS = ["", "Hi. ", "Hello! ", "Good day. ", "Hey, "]
-CLOSERS = ["", " Thanks.", " Thank you!", " It is urgent.", " Please help."]
+OPENERS = ["", "Hi. ", "Hello! ", "Good day. ", "Hey, ", "Thanks for your help. "]
 # One result per tool and one answer to it: after the warm start the tool name is the episode's only
 # real choice, so every sampled token but that one is (nearly) certain and GRPO's signal is not drowned.
-RESULTS = {"order": '{"status": "shipped"}', "price": '{"price": 49}', "calendar": '{"slot": "Monday 10:00"}',
+RESULTS = {"order": '{"status": "shipped"}', "price": '{"price": 49}', "calendar": '{"slot": "Monday"}',
            "email": '{"sent": true}'}
-ANSWERS = {"order": "Your order has shipped.", "price": "It costs 49 dollars.", "calendar": "Booked for Monday 10:00.",
-           "email": "Sent, check your inbox."}
+ANSWERS = {"order": "It is on the way.", "price": "It is 49.", "calendar": "See you Monday.", "email": "Sent by email."}
 
-FIRST_TURN_MAX_TOKENS = 32  # a call is 17 tokens with its end of turn; more means no end of turn
-FINAL_MAX_TOKENS = 24  # the answers above are 6-9 tokens
+FIRST_TURN_MAX_TOKENS = 24  # a call is 17 tokens with its end of turn: room for a few more, not for endless
+FINAL_MAX_TOKENS = 12  # the answers above are 6-7 tokens with their end of turn
+WRONG_TOOL_REWARD = 0.1  # a well-formed call to another tool
 EVAL_SHARE = 5  # one request in EVAL_SHARE (by a hash of its text) is held out for evaluation
 
 
@@ -82,10 +83,9 @@ class Request:
 
 
 def all_requests() -> list[Request]:
-    """Every request the templates make (1500 per tool), in a fixed order."""
-    return [Request(f"{opener}{template.format(item=item)}{closer}", tool)
-            for tool, templates in TEMPLATES.items() for template in templates
-            for item in ITEMS for opener in OPENERS for closer in CLOSERS]
+    """Every request the templates make (240 per tool), in a fixed order."""
+    return [Request(f"{opener}{template.format(item=item)}", tool) for tool, templates in TEMPLATES.items()
+            for template in templates for item in ITEMS for opener in OPENERS]
 
 
 def is_held_out(text: str) -> bool:
@@ -177,10 +177,10 @@ def is_final_answer(message: Mapping[str, Any] | None, *, truncated: bool = Fals
 
 
 def tool_choice_reward(right_tool: str | None, called: str | None) -> float:
-    """1.0 for the right tool, 0.1 for another well-formed call, 0 for no (well-formed) call."""
+    """1.0 for the right tool, ``WRONG_TOOL_REWARD`` for another well-formed call, 0 for no (well-formed) call."""
     if called is None:
         return 0.0
-    return 1.0 if called == right_tool else 0.1
+    return 1.0 if called == right_tool else WRONG_TOOL_REWARD
 
 
 def episode_reward(request: Request, first: Mapping[str, Any] | None, final: Mapping[str, Any] | None, *,
