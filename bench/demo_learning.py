@@ -46,9 +46,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gateway.engines.toolcalls import parse_tool_calls
+
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from examples.demo import task
-from gateway.engines.toolcalls import parse_tool_calls
+from gateway.cli.demo import TINY_TRAIN_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS_MIN = (2.0, 5.0, 8.0)  # loop-clock minutes at which the summary reads the curve
@@ -103,11 +105,8 @@ class Args:
     """seeds pools, warm start, sampling and training"""
 
 
-# What the demo trains with unless --grpo says otherwise (docs/demo.md: how these were chosen).
-# The settings `flywheel demo` trains with (docs/demo.md has the runs that chose them).
-DEFAULT_GRPO: dict[str, Any] = {"max_completion_tokens": 96, "progress": False, "learning_rate": 3e-3,
-                                "per_device_train_batch_size": 4, "gradient_accumulation_steps": 16,
-                                "num_train_epochs": 4, "beta": 0.05, "max_grad_norm": 0.05}
+# What `flywheel demo` trains with, unless --grpo says otherwise (docs/demo.md: the runs that chose it).
+DEFAULT_GRPO: dict[str, Any] = {**TINY_TRAIN_ARGS, "progress": False}
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

@@ -9,16 +9,18 @@ a clear message, and nothing is ever dropped or rewritten silently.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from orjson import dumps
 from sqlalchemy import JSON, Engine, bindparam, insert, inspect, text
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from capture.linker import TOUCHED_COLUMNS, TrajectoryLinker, chunks
@@ -60,6 +62,28 @@ def _tail_links(connection: Any) -> None:
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
                                           3: ("linker: tail links, history edits, sub-agent parents", _tail_links)}
+
+
+CONFLICT_ATTEMPTS = 5
+T = TypeVar("T")
+
+
+def retry_on_conflict(write: Callable[[], T]) -> T:
+    """Run a write transaction again when another one changed the same row first.
+
+    DuckDB's concurrency is optimistic: two transactions updating one trajectory (a batch of turns
+    continuing it, feedback closing it) is a "Conflict on update/tuple deletion", and the loser is
+    rolled back. Its work is still valid, so it runs again on fresh state after a short pause.
+    """
+    for attempt in range(CONFLICT_ATTEMPTS):
+        try:
+            return write()
+        except DBAPIError as exc:
+            if "Conflict on" not in str(exc.orig) or attempt == CONFLICT_ATTEMPTS - 1:
+                raise
+            log.info("write conflict (attempt %d): running the transaction again", attempt + 1)
+            time.sleep(0.005 * 2 ** attempt)  # the winner commits within milliseconds
+    raise AssertionError("unreachable")
 
 
 class SchemaError(RuntimeError):
@@ -154,6 +178,9 @@ class Store:
         ``counts`` receives the linker's tallies (each turn's rule, the tails refused) once committed.
         """
         prepared = list(prepared)
+        return retry_on_conflict(lambda: self._write_turns(prepared, skip_stored, counts))
+
+    def _write_turns(self, prepared: list[PreparedTurn], skip_stored: bool, counts: Counter[str] | None) -> int:
         with self.session() as session:
             known: set[str] = set()
             if skip_stored:
@@ -177,7 +204,9 @@ class Store:
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
         """Close open trajectories with no new turn for ``idle_s`` seconds."""
-        now = now or utcnow()
+        return retry_on_conflict(lambda: self._close_idle(idle_s, now or utcnow()))
+
+    def _close_idle(self, idle_s: float, now: datetime) -> int:
         cutoff = datetime.fromtimestamp(now.timestamp() - idle_s, tz=now.tzinfo)
         with self.session() as session:
             rows = session.exec(select(Trajectory).where(Trajectory.status == "open",
@@ -191,6 +220,9 @@ class Store:
     def close_trajectory(self, trajectory_id: str, reason: str = "client") -> Trajectory | None:
         """Close a trajectory, and its sub-agents' still open (reason ``parent``): the conversation they served
         is over."""
+        return retry_on_conflict(lambda: self._close_trajectory(trajectory_id, reason))
+
+    def _close_trajectory(self, trajectory_id: str, reason: str) -> Trajectory | None:
         with self.session() as session:
             trajectory = session.get(Trajectory, trajectory_id)
             if trajectory is None:

@@ -1,1 +1,1 @@
-"""Example agents over a Flywheel gateway: the `flywheel demo` support agent and the seed examples (docs/examples.md)."""
+"""Example agents over a Flywheel gateway: the `flywheel demo` agent and the seed examples (docs/examples.md)."""

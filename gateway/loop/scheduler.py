@@ -39,6 +39,9 @@ from gateway.observability.loop_jobs import Observability
 from gateway.state import GatewayState
 
 log = logging.getLogger("flywheel.loop")
+# A tick that finds its job still running is skipped by design (max_instances=1); APScheduler would log
+# each skip as a warning, once a second while a round trains.
+logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
 
 ALIAS_JOBS = ("score", "train", "gate", "ab")
 GLOBAL_JOBS = ("close_idle", "form_groups")
@@ -277,21 +280,21 @@ class Loop:
                   "mean_candidate": sum(ours) / len(ours) if ours else None,
                   "mean_baseline": sum(theirs) / len(theirs) if theirs else None}
         counts = {"pairs": test.pairs, "candidate": len(ours), "baseline": len(theirs)}
-        if decision == "max_pairs":
-            decision = "better" if config.on_max == "promote" else "worse"
         if decision == "continue":
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
             return Outcome("waiting", f"canary: {test.pairs} pairs, p(better)={test.better.p_value:.3f}", counts)
-        if decision == "better":
+        if decision == "better" or (decision == "max_pairs" and config.on_max == "promote"):
+            shown = (f"better than version {baseline} (p={test.better.p_value:.4f}" if decision == "better" else
+                     f"not shown worse than version {baseline} by max_pairs (on_max = promote; "
+                     f"p(worse)={test.worse.p_value:.4f}")
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
-            await promote_version(self.state, alias, candidate,
-                                  reason=f"canary: better than version {baseline} (p={test.better.p_value:.4f}, "
-                                         f"{test.pairs} pairs)")
+            await promote_version(self.state, alias, candidate, reason=f"canary: {shown}, {test.pairs} pairs)")
             return Outcome("ok", f"version {candidate} promoted by the canary", counts)
+        shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
+                 f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
         await self.state.router.stop_canary(alias)
         await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
-                      reason=f"canary: not better than version {baseline} (p(worse)={test.worse.p_value:.4f}, "
-                             f"{test.pairs} pairs)")
+                      reason=f"canary: {shown}, {test.pairs} pairs)")
         return Outcome("ok", f"version {candidate} rejected by the canary", counts)
 
     async def _monitor(self, alias: str) -> Outcome:
