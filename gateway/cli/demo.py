@@ -39,7 +39,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
@@ -301,7 +301,7 @@ def _render(board: Board) -> Panel:
         rewards.add_row(version, str(cell["n"]), f"{cell['mean']:.3f}", interval)
     canary = board.status.get("canary") or {}
     ab = canary.get("ab") or {}
-    lines = [head, rewards]
+    lines: list[RenderableType] = [head, rewards]
     if ab:
         lines.append(f"canary: version {canary['version']} vs {ab.get('baseline_version')}: {ab.get('pairs')} pairs, "
                      f"p(better)={ab.get('p_better', 1):.4f}, p(worse)={ab.get('p_worse', 1):.4f}")
