@@ -70,6 +70,7 @@ class Loop:
         self.child = TrainingChild(state.settings, gateway_url)
         self.scheduler = AsyncIOScheduler()
         self.stopping = False
+        self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
@@ -185,7 +186,7 @@ class Loop:
             return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
         pending = await link.op("pending", alias=alias)
         scored, last = pending["scored_groups"], pending["last_trained_at"]
-        since_last = time.time() - datetime.fromisoformat(last).timestamp() if last else float("inf")
+        since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else self.started_at)
         if scored < loop.min_groups and not (scored and since_last >= loop.train_every_s):
             return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
         result = await self.child.run(alias)
