@@ -9,7 +9,6 @@ Examples::
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +19,7 @@ import typer
 from gateway.cli import jobs, loop
 from gateway.cli.common import ConfigOption, fail, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
+from gateway.log_setup import configure_logging
 from gateway.preflight import PreflightError, preflight
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
@@ -57,8 +57,8 @@ def serve(config: ConfigOption = None,
         preflight(settings, allow_unauthenticated=allow_unauthenticated, environ=os.environ)
     except PreflightError as exc:
         fail(str(exc))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(settings), host=settings.host, port=settings.port,
+    configure_logging(settings)  # redacted, uvicorn's loggers included (log_config=None)
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30)
 
 

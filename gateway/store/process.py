@@ -40,11 +40,13 @@ from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.errors import BadRequest, NotFound
+from gateway.log_setup import configure_logging
 from gateway.loop.store_ops import OPS, is_async
 from gateway.loop.versions import VersionError
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
 from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
+from gateway.store.redacted_bodies import RedactedBodies
 from gateway.store.routes import STORE_ROUTERS
 from gateway.store.state import StoreState
 
@@ -196,6 +198,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
         app.include_router(router)
     app.include_router(internal)
     install_error_handlers(app)
+    app.add_middleware(RedactedBodies, redactor=redactor_for(settings))  # what the routes write is redacted
     app.add_middleware(ForwardedClient)
     return app
 
@@ -207,10 +210,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
     os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
     import uvicorn
 
-    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket),
+    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30)
 
 
