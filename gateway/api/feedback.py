@@ -21,6 +21,7 @@ from capture.models import Feedback, Trajectory, Turn
 from capture.store import Store
 from capture.turns import new_id
 from gateway.api.common import json_response
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.errors import BadRequest, NotFound
 from gateway.loop import store_ops
 from gateway.protocol import parse_json_object, validate_request
@@ -41,6 +42,10 @@ class FeedbackRequest(BaseModel):
         if not (self.trajectory_id or self.completion_id):
             raise ValueError("give trajectory_id or completion_id")
         return self
+
+
+class ScoreQuery(BaseModel):
+    alias: str | None = Field(default=None, description="only this alias's groups")
 
 
 def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
@@ -67,7 +72,7 @@ def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest,
     return feedback_id
 
 
-@router.post("/feedback")
+@router.post("/feedback", openapi_extra=json_body(FeedbackRequest), responses=ERRORS)
 async def post_feedback(request: Request) -> Response:
     state = StoreState.of(request)
     key_id = state.auth.client(request)
@@ -90,7 +95,7 @@ async def post_feedback(request: Request) -> Response:
                                   "reward": reward}), media_type="application/json")
 
 
-@router.post("/jobs/groups")
+@router.post("/jobs/groups", responses=ERRORS)
 async def form_groups_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)
@@ -99,7 +104,7 @@ async def form_groups_now(request: Request) -> Response:
     return json_response(formed)
 
 
-@router.post("/jobs/score")
+@router.post("/jobs/score", openapi_extra=query(ScoreQuery), responses=ERRORS)
 async def score_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)
