@@ -142,16 +142,16 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
 
 
 def prepare_lines(lines: list[bytes], redactor: Redactor | None, outcome: Counter[str]) -> list[PreparedTurn]:
-    """The turns of the exchanges in ``lines`` (:meth:`CapturedExchange.to_line`); an unreadable line is
-    logged and counted as failed in ``outcome``."""
-    exchanges = []
+    """The turns of the exchanges in ``lines`` (:meth:`CapturedExchange.to_line`); an unreadable line, or an
+    exchange that cannot be prepared, is logged and counted as failed in ``outcome``: never the batch's end."""
+    out: list[PreparedTurn] = []
     for line in lines:
         try:
-            exchanges.append(CapturedExchange.from_line(line))
-        except (ValueError, TypeError):
-            log.exception("unreadable exchange (%d bytes)", len(line))
+            out.extend(prepare_turns(CapturedExchange.from_line(line), redactor))
+        except Exception:  # one odd exchange must cost itself only, never its batch or the writer task
+            log.exception("could not prepare a captured exchange (%d bytes)", len(line))
             outcome["failed"] += 1
-    return [turn for exchange in exchanges for turn in prepare_turns(exchange, redactor)]
+    return out
 
 
 def _request_messages(exchange: CapturedExchange) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from sqlmodel import col, select
 from starlette.responses import Response
 
@@ -32,16 +32,18 @@ router = APIRouter(prefix="/flywheel/v1")
 
 class FeedbackRequest(BaseModel):
     trajectory_id: str | None = None
-    completion_id: str | None = None
+    completion_id: str | None = Field(default=None, validate_default=True)  # checked even when absent
     reward: float | None = None
     label: str | None = None
     comment: str | None = Field(default=None, max_length=10_000)
 
-    @model_validator(mode="after")
-    def _names_a_trajectory(self) -> FeedbackRequest:
-        if not (self.trajectory_id or self.completion_id):
+    @field_validator("completion_id")
+    @classmethod
+    def _names_a_trajectory(cls, completion_id: str | None, info: ValidationInfo) -> str | None:
+        # A field's validator (not the model's), so the 400 names a parameter.
+        if not (completion_id or info.data.get("trajectory_id")):
             raise ValueError("give trajectory_id or completion_id")
-        return self
+        return completion_id
 
 
 class ScoreQuery(BaseModel):

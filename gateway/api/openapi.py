@@ -67,10 +67,11 @@ def query(model: type[BaseModel]) -> dict[str, Any]:
 
 def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
     """A query parameter is absent or a string: ``X | None`` documents as ``X``."""
-    variants = [v for v in schema.get("anyOf", ()) if v.get("type") != "null"]
-    if len(variants) != 1:
+    if "anyOf" not in schema:
         return schema
-    return {**{k: v for k, v in schema.items() if k not in ("anyOf", "default")}, **variants[0]}
+    variants = [v for v in schema["anyOf"] if v.get("type") != "null"]
+    rest = {k: v for k, v in schema.items() if k != "anyOf" and not (k == "default" and v is None)}
+    return {**rest, **variants[0]} if len(variants) == 1 else {**rest, "anyOf": variants}
 
 
 def schema_of(model: type[BaseModel]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ is reported as not found.
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
+from datetime import datetime
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
@@ -40,13 +41,14 @@ _FILTERS = ("alias", "since", "until", "status", "task", "has_reward", "client_k
 
 
 
-_TIME = "ISO 8601 (naive: UTC), unix seconds, or a duration ago: 30m, 2h, 7d"
+# A moment as the filters take it: unix seconds, ISO 8601 (naive: UTC), or a duration ago (30m, 2h, 7d).
+Moment = float | datetime | Annotated[str, Field(pattern=r"^\d+(\.\d+)?\s*[smhdw]$")]
 
 
 class TrajectoryListQuery(BaseModel):
     alias: str | None = None
-    since: str | None = Field(default=None, description=_TIME)
-    until: str | None = Field(default=None, description=_TIME)
+    since: Moment | None = None
+    until: Moment | None = None
     status: str | None = Field(default=None, description="open or closed")
     task: str | None = Field(default=None, description="a task key")
     has_reward: Literal["true", "false", "1", "0", "yes", "no", "on", "off"] | None = None
