@@ -186,6 +186,9 @@ class CaptureConfig(BaseModel):
     # The store process's niceness: on a busy machine the request path gets the cores first and capture
     # catches up in the gaps (the queue and the spool absorb the backlog). 0 = the gateway's priority.
     store_nice: int = Field(default=10, ge=0, le=19)
+    # DuckDB's memory limit in the store process: its block cache, indexes, query memory. DuckDB's own default is
+    # 80% of the machine's RAM, a database server's share, not a sidecar's (docs/benchmarks.md, "Soak").
+    store_memory_mb: int = Field(default=512, ge=64)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
 
 

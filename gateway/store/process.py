@@ -46,6 +46,7 @@ from gateway.loop.versions import VersionError
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
 from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
+from gateway.store.memory import limit_memory, memory_report
 from gateway.store.redacted_bodies import RedactedBodies
 from gateway.store.routes import STORE_ROUTERS
 from gateway.store.state import StoreState
@@ -59,6 +60,7 @@ def open_state(settings: Settings) -> StoreState:
     """Open (or migrate, or refuse) the store and build the recorder around it."""
     store = Store(settings.database)
     capture = settings.capture
+    limit_memory(store, capture.store_memory_mb)
     recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
                         queue_size=capture.queue_size, batch_size=capture.batch_size,
                         batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s)
@@ -130,6 +132,12 @@ async def ready() -> Response:
 async def capture_stats(request: Request) -> Response:
     """The recorder's turn counters (queued, written, spooled, reingested, failed)."""
     return json_response(dict(StoreState.of(request).recorder.stats))
+
+
+@internal.get("/memory")
+async def memory(request: Request) -> Response:
+    """What this process holds (``gateway/store/memory.py``): bench/soak.py tells a leak from a bounded cache."""
+    return json_response(await asyncio.to_thread(memory_report, StoreState.of(request).store))
 
 
 @internal.post("/ops/{name}")
