@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from gateway.api.admin import adapter_directory, alias_info
 from gateway.api.common import json_response, read_body
-from gateway.api.openapi import ERRORS, json_body
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.config import AdapterVersion
 from gateway.errors import BadRequest, OpenAIError
 from gateway.loop.promotion import promote_version, register_adapter
@@ -90,7 +90,11 @@ async def list_versions(alias: str, request: Request) -> Response:
                           "data": await state.store_link.op("versions", alias=alias)})
 
 
-@router.get("/aliases/{alias}/rewards")
+class RewardsQuery(BaseModel):
+    since: datetime | None = Field(default=None, description="an ISO 8601 time: conversations closed after it")
+
+
+@router.get("/aliases/{alias}/rewards", openapi_extra=query(RewardsQuery), responses=ERRORS)
 async def list_rewards(alias: str, request: Request) -> Response:
     """Every finished, rewarded conversation of the alias in the order it closed: version, reward, time."""
     state = await _admin(request)
