@@ -311,10 +311,12 @@ class TrackingConfig(BaseModel):
 DEFAULT_ENGINES: dict[str, dict[str, Any]] = {"local": {"kind": "local"}}
 DEFAULT_ALIASES: dict[str, dict[str, Any]] = {"flywheel": {"engine": "local"}}
 ENV_PREFIX = "FLYWHEEL_"
-# Read by the CLI, not a setting: the admin key a command sends (gateway/cli/common.py); `flywheel serve`
-# takes it as its admin key when none is configured (gateway/preflight.py).
+# Read by the CLI, not settings: the admin key a command sends (gateway/cli/common.py), which `flywheel serve`
+# takes as its admin key when none is configured (gateway/preflight.py); the client key `flywheel autorl`'s
+# agent sends (gateway/cli/autorl.py) and the SDK's examples read.
 CLI_ADMIN_KEY_VARIABLE = "FLYWHEEL_ADMIN_KEY"
-CLI_VARIABLES = frozenset({CLI_ADMIN_KEY_VARIABLE})
+CLI_API_KEY_VARIABLE = "FLYWHEEL_API_KEY"
+CLI_VARIABLES = frozenset({CLI_ADMIN_KEY_VARIABLE, CLI_API_KEY_VARIABLE})
 
 
 def _default_engines() -> dict[str, EngineConfig]:

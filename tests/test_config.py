@@ -153,6 +153,13 @@ def test_every_variable_that_names_a_setting_is_accepted(monkeypatch: pytest.Mon
     assert settings.train.args == {"learning_rate": 0.5}
 
 
+def test_the_client_key_flywheel_autorl_reads_is_no_unknown_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLYWHEEL_API_KEY is `flywheel autorl --api-key`'s default (and the examples'): the commands that load the
+    configuration beside it must not refuse it."""
+    monkeypatch.setenv("FLYWHEEL_API_KEY", "client-key")
+    assert load_settings().auth.api_keys == []
+
+
 def test_an_engine_set_by_environment_joins_the_default_table(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYWHEEL_ENGINES__UP__BASE_URL", "http://127.0.0.1:9/v1")
     settings = load_settings()
