@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ min_groups = 1000
             for _ in range(2):  # the same task twice, no feedback: only the judge can score it
                 ask(client, "same task")
             wait_for(lambda: judge.in_flight, timeout_s=240, what="a scoring call waiting on the judge")
+            started = time.monotonic()
             assert [ask(client, f"meanwhile {i}") for i in range(10)] == ["an answer"] * 10
+            assert time.monotonic() - started < 30.0  # the judge's one slow answer takes 30 s: no client waited it
             wait_for(lambda: ((status_of(gateway)["jobs"].get("score") or {}).get("counts") or {}).get("failed"),
                      timeout_s=120, what="a scoring run that gave up on the slow judge")
             wait_for(lambda: status_of(gateway)["pending"]["groups"].get("scored"), timeout_s=120,
@@ -102,18 +105,22 @@ engine = "up"
 retry_s = 0.3
 batch_wait_s = 0.1
 """).start()
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-        assert [ask(client, f"before {i}") for i in range(5)] == ["fine"] * 5
-        wait_until(lambda: capture_counts(gateway)["written"] >= 5)
-        fill(small_data_dir / "filler")
-        assert [ask(client, f"full {i} " + "x" * 4000) for i in range(20)] == ["fine"] * 20
-        wait_until(lambda: capture_counts(gateway)["failed"] >= 1, timeout_s=60)  # neither store nor spool took them
-        assert httpx.get(f"{gateway.url}/healthz").status_code == 200
-        (small_data_dir / "filler").unlink()
-        assert [ask(client, f"after {i}") for i in range(5)] == ["fine"] * 5
-        wait_until(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 10,
-                   timeout_s=60)
-        _, turns = stored(gateway, small_data_dir / "flywheel.duckdb")  # the file opens and reads after it all
+        try:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+            assert [ask(client, f"before {i}") for i in range(5)] == ["fine"] * 5
+            wait_until(lambda: capture_counts(gateway)["written"] >= 5)
+            fill(small_data_dir / "filler")
+            assert [ask(client, f"full {i} " + "x" * 4000) for i in range(20)] == ["fine"] * 20
+            # neither the store nor the spool took them
+            wait_until(lambda: capture_counts(gateway)["failed"] >= 1, timeout_s=60)
+            assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+            (small_data_dir / "filler").unlink()
+            assert [ask(client, f"after {i}") for i in range(5)] == ["fine"] * 5
+            wait_until(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 10,
+                       timeout_s=60)
+            _, turns = stored(gateway, small_data_dir / "flywheel.duckdb")  # the file opens and reads after it all
+        finally:
+            gateway.stop()  # before the fixture unmounts the data directory (stored() stopped it already)
     texts = [t.request_messages[0]["content"] for t in turns]  # type: ignore[index]
     assert {f"before {i}" for i in range(5)} | {f"after {i}" for i in range(5)} <= set(texts)
     assert len(texts) == len(set(texts))  # nothing stored twice
@@ -131,16 +138,19 @@ base_url = "{upstream.base_url}"
 [aliases.agent]
 engine = "up"
 """).start()
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-        with pytest.raises(openai.APIError):
-            list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "break"}],
-                                                stream=True))
-        streamed = ["".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"stream {i}"}], stream=True) if c.choices)
-            for i in range(3)]
-        assert streamed == ["one two three four"] * 3
-        assert [ask(client, f"plain {i}") for i in range(3)] == ["one two three four"] * 3
-        _, turns = stored(gateway)
+        try:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.APIError):
+                list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "break"}],
+                                                    stream=True))
+            streamed = ["".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"stream {i}"}], stream=True) if c.choices)
+                for i in range(3)]
+            assert streamed == ["one two three four"] * 3
+            assert [ask(client, f"plain {i}") for i in range(3)] == ["one two three four"] * 3
+            _, turns = stored(gateway)
+        finally:
+            gateway.stop()
     by_text = {t.request_messages[0]["content"]: t for t in turns}  # type: ignore[index]
     assert {f"stream {i}" for i in range(3)} | {f"plain {i}" for i in range(3)} <= set(by_text)
     broken = by_text.get("break")
