@@ -22,8 +22,8 @@ import pytest
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
-from tests.test_capture import capture_counts, fill, stored, wait_until
-from tests.test_loop_versions import wait_for
+from tests.test_capture import capture_counts, fill, stored
+from tests.waiting import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}
 
@@ -108,15 +108,15 @@ batch_wait_s = 0.1
         try:
             client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
             assert [ask(client, f"before {i}") for i in range(5)] == ["fine"] * 5
-            wait_until(lambda: capture_counts(gateway)["written"] >= 5)
+            wait_for(lambda: capture_counts(gateway)["written"] >= 5)
             fill(small_data_dir / "filler")
             assert [ask(client, f"full {i} " + "x" * 4000) for i in range(20)] == ["fine"] * 20
             # neither the store nor the spool took them
-            wait_until(lambda: capture_counts(gateway)["failed"] >= 1, timeout_s=60)
+            wait_for(lambda: capture_counts(gateway)["failed"] >= 1, timeout_s=60)
             assert httpx.get(f"{gateway.url}/healthz").status_code == 200
             (small_data_dir / "filler").unlink()
             assert [ask(client, f"after {i}") for i in range(5)] == ["fine"] * 5
-            wait_until(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 10,
+            wait_for(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 10,
                        timeout_s=60)
             _, turns = stored(gateway, small_data_dir / "flywheel.duckdb")  # the file opens and reads after it all
         finally:

@@ -105,7 +105,7 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
          seed: Annotated[int, typer.Option(help="The agent's seed.")] = 0,
          min_groups: Annotated[int, typer.Option(help="Scored groups per training round.")] = 16,
          canary_pairs: Annotated[int, typer.Option(
-             help="Canary episodes per version before the A/B test must decide.")] = 120,
+             help="Canary pairs per version before the A/B test must decide.")] = 40,
          promotions: Annotated[int, typer.Option(
              help="Stop once this many versions were promoted (0: run the whole time).")] = 0,
          ) -> None:
