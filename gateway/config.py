@@ -216,6 +216,9 @@ class TrainConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
     tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)
     max_groups: int = Field(default=64, ge=1)  # scored groups per round
+    # Which scored groups a round takes when more wait than max_groups: the newest were sampled by the policy
+    # closest to the one being trained (GRPO's ratio near 1); "oldest" drains the backlog in arrival order.
+    batch_order: Literal["newest", "oldest"] = "newest"
 
     @field_validator("args", mode="before")
     @classmethod
