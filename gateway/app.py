@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from capture.store import printable_url
 from gateway.api import admin, completions, loop_admin, training
 from gateway.api.common import read_body
 from gateway.api.error_handlers import install_error_handlers
@@ -91,7 +92,7 @@ def build_app(settings: Settings) -> FastAPI:
         announcing = asyncio.create_task(announce_when_listening(settings))
         tune_gc()  # everything the gateway keeps is allocated by now
         log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s",
-                 [s.alias for s in state.router.all()], list(state.engines), settings.database,
+                 [s.alias for s in state.router.all()], list(state.engines), printable_url(settings.database),
                  "on" if settings.loop.enabled else "off")
         try:
             yield

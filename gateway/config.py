@@ -118,6 +118,10 @@ class CaptureConfig(BaseModel):
     # catches up in the gaps (the queue and the spool absorb the backlog). 0 = the gateway's priority.
     store_nice: int = Field(default=10, ge=0, le=19)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    # Several replicas on one PostgreSQL store: a turn whose last answer is not stored yet waits this long for
+    # it (the replica that gave it may still be writing it) before it is linked without it. Unset: 5 s on a
+    # shared store, 0 on DuckDB (one store process reads every turn in order).
+    link_wait_s: float | None = Field(default=None, ge=0, le=300)
 
 
 class GroupsConfig(BaseModel):
