@@ -224,16 +224,19 @@ class TrajectoryLinker:
         return self._tails[turn_id]
 
     def awaits_parent(self, item: PreparedTurn) -> bool:
-        """Whether the request's last assistant message is an answer no stored turn (of its client key) gave,
-        by prefix or by tail, nor one of this batch linked so far: the turn that gave it may still be on its way
-        from another replica. Side-effect free: rules 2 and 3 looked up, nothing linked or counted."""
+        """Whether no stored turn (of its client key; of its explicit trajectory, when it names one) that gave the
+        request's last assistant message is unclaimed, by prefix or by tail, nor one this batch linked so far.
+
+        Then the turn that gave it to this conversation may still be on its way from another replica: linking
+        now would start a trajectory of its own, or branch (or continue) another conversation that happened to
+        say the same. Side-effect free: rules 2 and 3 looked up, nothing linked or counted."""
         hashes = item.assistant_prefix_hashes
         if item.row["source"] == "fork" or not hashes:
             return False
-        key = item.row["client_key_id"]
-        if any(c.client_key_id == key for c in self._by_hash.get(hashes[0], ())):
-            return False
-        return self._tail_pool(item) is None
+        within = item.explicit_trajectory_id
+        last = _last_assistant(item.row["request_messages"] or [])
+        prefix = [c for c in self._prefix_candidates(item, hashes[0], last) if within in (None, c.trajectory_id)]
+        return all(c.has_children for c in (*prefix, *(self._tail_pool(item, within) or ())))
 
     def link(self, item: PreparedTurn) -> dict[str, Any]:
         """The turn's row with its trajectory, parent, depth and link rule filled in."""
@@ -330,14 +333,20 @@ class TrajectoryLinker:
         that several identical conversations could have made starts a trajectory of its own. Conversations
         alike but for their tool-call ids (the prefix hashes leave them out) are told apart by the answer's
         own hash, ids included."""
-        candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == item.row["client_key_id"]]
-        if len(candidates) > 1:
-            answer = message_hash(item.row["request_messages"][position])
-            candidates = [c for c in candidates if c.h_answer == answer] or candidates
+        candidates = self._prefix_candidates(item, h, position)
         unclaimed = [c for c in candidates if not c.has_children]
         if unclaimed:
             return unclaimed[0]
         return candidates[-1] if len({c.trajectory_id for c in candidates}) == 1 else None
+
+    def _prefix_candidates(self, item: PreparedTurn, h: str, position: int | None) -> list[_Candidate]:
+        """Stored turns (same key) whose conversation ends in ``h``; several are told apart by the answer at
+        ``position`` with its tool-call ids, when that leaves any."""
+        candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == item.row["client_key_id"]]
+        if len(candidates) > 1 and position is not None:
+            answer = message_hash(item.row["request_messages"][position])
+            candidates = [c for c in candidates if c.h_answer == answer] or candidates
+        return candidates
 
     def _tail_match(self, item: PreparedTurn, within: str | None = None) -> _Match | None:
         """Rule 3 (inside trajectory ``within`` when given): the stored turns (same key) that gave the request's

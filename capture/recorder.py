@@ -149,7 +149,10 @@ class Recorder:
         self._retry_task = asyncio.create_task(self._reingest_loop(), name="flywheel-spool")
 
     async def drain(self) -> None:
-        """Write everything queued and held (and try the spool once), then stop."""
+        """Write everything queued and held (and try the spool once), then stop.
+
+        A held turn still waits for its parent meanwhile (at most ``link_wait_s``): in a rolling restart the
+        replica that answered it may be writing it right now."""
         for task in (self._task, self._retry_task):
             if task is not None:
                 task.cancel()
@@ -160,8 +163,11 @@ class Recorder:
             batch.append(self._next.result())  # read from the queue just before the cancel
         while not self.queue.empty():
             batch.append(self.queue.get_nowait())
-        if batch or len(self.waiting):
-            await self._write(batch, hold=False)  # no more waiting: link what is there, as it is
+        if batch:
+            await self._write(batch)
+        while len(self.waiting):
+            await asyncio.sleep(self.batch_wait_s)
+            await self._write([])
         await self.reingest()
 
     async def flush(self, timeout_s: float = 10.0) -> None:
@@ -200,10 +206,10 @@ class Recorder:
         line, self._next = self._next.result(), None
         return line
 
-    async def _write(self, batch: list[bytes], *, hold: bool = True) -> None:
-        self.stats.update(await asyncio.to_thread(self._persist, batch, hold))
+    async def _write(self, batch: list[bytes]) -> None:
+        self.stats.update(await asyncio.to_thread(self._persist, batch))
 
-    def _persist(self, batch: list[bytes], hold: bool) -> Counter[str]:
+    def _persist(self, batch: list[bytes]) -> Counter[str]:
         """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.
 
         Everything the batch allocates dies here, on this thread, by reference counting: the cyclic
@@ -212,17 +218,16 @@ class Recorder:
         """
         gc.disable()
         try:
-            return self._prepare_and_write(batch, hold)
+            return self._prepare_and_write(batch)
         finally:
             gc.enable()
 
-    def _prepare_and_write(self, batch: list[bytes], hold: bool) -> Counter[str]:
+    def _prepare_and_write(self, batch: list[bytes]) -> Counter[str]:
         outcome: Counter[str] = Counter()
         prepared = self.waiting.take() + prepare_lines(batch, self.redactor, outcome)  # held ones first: oldest
         if self.store_ok:
             try:
-                outcome["written"] += self.store.write_turns(prepared, counts=outcome,
-                                                             waiting=self.waiting if hold else None)
+                outcome["written"] += self.store.write_turns(prepared, counts=outcome, waiting=self.waiting)
                 return outcome
             except Exception as exc:
                 log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,
