@@ -221,6 +221,16 @@ class TrackingConfig(BaseModel):
     queue_size: int = Field(default=1000, ge=1)  # events waiting for the tracking thread; beyond it: dropped
 
 
+class ReplicasConfig(BaseModel):
+    """Several gateway replicas on one PostgreSQL store (docs/deploy.md): one runs the loop, every one follows it."""
+
+    follow_s: float = Field(default=5.0, gt=0, le=300)  # how often a replica reads which version serves (and canaries)
+    campaign_s: float = Field(default=2.0, gt=0, le=60)  # how often a follower tries to take the loop over
+    # A replaced adapter is unloaded from a shared engine this long after the switch (other replicas may still
+    # route to it until they follow); unset: 2 x follow_s + 30 s on a shared store, at once on DuckDB.
+    retire_after_s: float | None = Field(default=None, ge=0)
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {"local": LocalEngineConfig()}
 
@@ -252,6 +262,7 @@ class Settings(BaseSettings):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
 
     @property
     def database(self) -> str:

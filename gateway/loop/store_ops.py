@@ -190,7 +190,8 @@ def record_gate(store: Store, settings: Settings, alias: str, version: int, gate
 
 @op("recover")
 def recover(store: Store, settings: Settings) -> dict[str, int]:
-    """At start-up: runs and rounds that were in progress when the gateway stopped are recorded as such."""
+    """When a gateway starts leading the loop: runs and rounds that were in progress when the last leader stopped
+    are recorded as such."""
     with store.session() as session:
         failed = versions.fail_stale(session)
         runs = list(session.exec(select(JobRun).where(JobRun.status == "running")))
