@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from orjson import dumps
 from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text
@@ -68,6 +69,29 @@ def _tail_links(connection: Any) -> None:
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
                                           3: ("linker: tail links, history edits, sub-agent parents", _tail_links)}
+
+
+CONFLICT_ATTEMPTS = 5
+T = TypeVar("T")
+
+
+def retry_on_conflict(write: Callable[[], T]) -> T:
+    """Run a write transaction again when another one changed the same row first.
+
+    DuckDB's concurrency is optimistic: two transactions updating one trajectory (a batch of turns
+    continuing it, feedback closing it) is a "Conflict on update/tuple deletion", and the loser is
+    rolled back. Its work is still valid, so it runs again on fresh state after a short pause.
+    On PostgreSQL a writer locks the rows it changes and the other waits, so this never triggers there.
+    """
+    for attempt in range(CONFLICT_ATTEMPTS):
+        try:
+            return write()
+        except DBAPIError as exc:
+            if "Conflict on" not in str(exc.orig) or attempt == CONFLICT_ATTEMPTS - 1:
+                raise
+            log.info("write conflict (attempt %d): running the transaction again", attempt + 1)
+            time.sleep(0.005 * 2 ** attempt)  # the winner commits within milliseconds
+    raise AssertionError("unreachable")
 
 
 class SchemaError(RuntimeError):
@@ -226,7 +250,9 @@ class Store:
         prepared = list(prepared)
         for attempt in range(1, WRITE_ATTEMPTS + 1):
             try:
-                linker, held = self._link_and_write(prepared, skip_stored=skip_stored, waiting=waiting)
+                # DuckDB's write conflicts run the same attempt again; PostgreSQL's races (below) link it again
+                linker, held = retry_on_conflict(
+                    lambda: self._link_and_write(prepared, skip_stored=skip_stored, waiting=waiting))
                 break
             except DBAPIError as exc:
                 race = RACES.get(getattr(exc.orig, "sqlstate", None) or "")
@@ -267,7 +293,9 @@ class Store:
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
         """Close open trajectories with no new turn for ``idle_s`` seconds."""
-        now = now or utcnow()
+        return retry_on_conflict(lambda: self._close_idle(idle_s, now or utcnow()))
+
+    def _close_idle(self, idle_s: float, now: datetime) -> int:
         cutoff = datetime.fromtimestamp(now.timestamp() - idle_s, tz=now.tzinfo)
         with self.session() as session:
             rows = session.exec(select(Trajectory).where(Trajectory.status == "open",
@@ -281,6 +309,9 @@ class Store:
     def close_trajectory(self, trajectory_id: str, reason: str = "client") -> Trajectory | None:
         """Close a trajectory, and its sub-agents' still open (reason ``parent``): the conversation they served
         is over."""
+        return retry_on_conflict(lambda: self._close_trajectory(trajectory_id, reason))
+
+    def _close_trajectory(self, trajectory_id: str, reason: str) -> Trajectory | None:
         with self.session() as session:
             trajectory = session.get(Trajectory, trajectory_id)
             if trajectory is None:

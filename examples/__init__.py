@@ -1,1 +1,1 @@
-"""Seed examples: game agents, a support agent, an email-search agent and a deduction puzzle (docs/examples.md)."""
+"""Example agents over a Flywheel gateway: the `flywheel demo` agent and the seed examples (docs/examples.md)."""

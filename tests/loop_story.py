@@ -24,8 +24,9 @@ import openai
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply
-from tests.test_loop_versions import CANARY, admin, converse, start, status, wait_for
+from tests.test_loop_versions import CANARY, admin, converse, start, status
 from tests.vllm_standin import BASE, VllmStandIn
+from tests.waiting import wait_for
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                                  "parameters": {"type": "object",

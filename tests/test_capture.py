@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,9 @@ from sqlmodel import col, select
 
 from capture.models import Trajectory, Turn
 from capture.store import Store
-from gateway.config import CaptureConfig
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
+from tests.waiting import wait_for
 
 SYSTEM = {"role": "system", "content": "You are a helpful travel agent."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -242,14 +241,6 @@ def capture_counts(gateway: GatewayProcess) -> dict[str, float]:
     return counts
 
 
-def wait_until(predicate: Any, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs: filling it makes the store unwritable for real (disk full)."""
@@ -282,13 +273,13 @@ def test_unwritable_store_spools_then_reingests(tmp_path: Path, upstream: Script
         model="gpt-4o", messages=[{"role": "user", "content": f"request {i} " + "x" * 2000}])
     for i in range(5):
         ask(i)
-    wait_until(lambda: capture_counts(gateway)["written"] >= 5)
+    wait_for(lambda: capture_counts(gateway)["written"] >= 5)
     fill(small_disk / "filler")
     for i in range(5, 25):
         assert ask(i).choices[0].message.content  # every client request still succeeds
-    wait_until(lambda: capture_counts(gateway)["spooled"] >= 1)
+    wait_for(lambda: capture_counts(gateway)["spooled"] >= 1)
     (small_disk / "filler").unlink()
-    wait_until(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 25)
+    wait_for(lambda: capture_counts(gateway)["written"] + capture_counts(gateway)["reingested"] >= 25)
     _, turns = stored(gateway, database)
     assert sorted(int(t.request_messages[0]["content"].split()[1]) for t in turns) == list(range(25))  # type: ignore
 
@@ -300,7 +291,7 @@ def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: Scr
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     for i in range(20):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"n{i}"}])
-    time.sleep(CaptureConfig().handoff_s + 0.1)
+    wait_for(lambda: capture_counts(gateway).get("queued", 0) >= 20)  # handed over, not yet written
     assert gateway.proc is not None
     gateway.proc.send_signal(signal.SIGKILL)  # the store process still holds the 20 turns in an open batch
     gateway.proc.wait(timeout=10)
@@ -318,15 +309,15 @@ def test_store_process_sigkill_loses_nothing_outside_the_durability_window(tmp_p
         model="gpt-4o", messages=[{"role": "user", "content": f"n{i}"}])
     for i in range(20):
         ask(i)
-    time.sleep(1.0)  # well past batch_wait_s + one batch's write
+    wait_for(lambda: capture_counts(gateway).get("written", 0) >= 20)
     victim = gateway.store_process
     victim.kill()
     victim.wait(timeout=10)
     for i in range(20, 30):
         assert ask(i).choices[0].message.content  # clients never notice
-    wait_until(lambda: httpx.get(f"{gateway.url}/healthz").json()["store"] == "ok")
+    wait_for(lambda: httpx.get(f"{gateway.url}/healthz").json()["store"] == "ok")
     gateway.children = psutil.Process(gateway.proc.pid).children()  # the new store process
-    wait_until(lambda: capture_counts(gateway)["reingested"] + capture_counts(gateway)["written"] >= 10)
+    wait_for(lambda: capture_counts(gateway)["reingested"] + capture_counts(gateway)["written"] >= 10)
     _, turns = stored(gateway)
     assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(30))  # type: ignore
 
@@ -344,6 +335,7 @@ def test_idle_trajectories_close(tmp_path: Path, upstream: ScriptedOpenAI) -> No
     gateway = start_gateway(tmp_path, upstream, "[capture]\nidle_close_s = 1.0\n")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "bye"}])
-    time.sleep(3.5)
+    wait_for(lambda: httpx.get(f"{gateway.url}/flywheel/v1/trajectories", params={"status": "closed"},
+                                 timeout=10).json()["data"])
     trajectories, _ = stored(gateway)
     assert [(t.status, t.close_reason) for t in trajectories] == [("closed", "idle")]

@@ -7,8 +7,6 @@ the relay must close its upstream request so that the gateway behind it sees its
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -16,21 +14,12 @@ import pytest
 
 from tests.conftest import CLIENT_KEY
 from tests.gateway_process import GatewayProcess
+from tests.waiting import wait_for
 
 T = TypeVar("T")
 AUTH = {"authorization": f"Bearer {CLIENT_KEY}"}
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 1500, "ignore_eos": True,
         "stream": True}
-
-
-def wait_for(probe: Callable[[], T | None], what: str, timeout_s: float = 60.0) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def requests_counted(gateway: GatewayProcess, status: str) -> float:

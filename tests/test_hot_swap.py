@@ -10,7 +10,6 @@ must record that same version.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from capture.models import Turn
 from capture.store import Store
 from tests.conftest import ADAPTER_ANSWER, ADAPTER_QUESTION
 from tests.gateway_process import GatewayProcess
+from tests.waiting import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}
 SWAPS = 10
@@ -62,6 +62,10 @@ admin_key = "admin"
         result: dict[str, Any] = response.json()
         return result
 
+    def streams_on_current_version(count: int) -> None:
+        finished = len(texts)
+        wait_for(lambda: len(texts) >= finished + count or failures, what=f"{count} more finished streams")
+
     base_text = client.chat.completions.create(model="agent", messages=ADAPTER_QUESTION, temperature=0,
                                                max_tokens=16).choices[0].message.content
     expected = {0: base_text}
@@ -70,12 +74,12 @@ admin_key = "admin"
         worker.start()
     try:
         for swap in range(SWAPS):
-            time.sleep(0.3)  # let streams start on the current version before the next switch
+            streams_on_current_version(2)  # before the next switch
             path = adapter_dir if swap % 2 == 0 else other
             served = switch(path)
             expected[served["version"]] = ADAPTER_ANSWER if path == adapter_dir else OTHER_ANSWER
         switch(None)  # and back to the base model, version 0
-        time.sleep(0.3)
+        streams_on_current_version(2)
     finally:
         stop.set()
         for worker in workers:

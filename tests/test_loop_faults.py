@@ -18,8 +18,9 @@ from tests.colour_task import ANSWERS, PROMPT, reward_of
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI, free_port
-from tests.test_loop_versions import CANARY, admin, converse, fake_adapter, status, wait_for
+from tests.test_loop_versions import CANARY, admin, converse, fake_adapter, status
 from tests.vllm_standin import BASE, VllmStandIn
+from tests.waiting import wait_for
 
 
 def test_scoring_survives_a_judge_that_is_down_and_recovers_when_it_is_back(tmp_path: Path) -> None:

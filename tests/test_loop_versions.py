@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typer.testing import CliRunner
 from gateway.cli import app as cli
 from tests.gateway_process import GatewayProcess
 from tests.vllm_standin import BASE, VllmStandIn
+from tests.waiting import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}
 
@@ -53,16 +53,6 @@ base_model = "{BASE}"
 [auth]
 admin_key = "admin"
 {loop}""", name=name).start()
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def admin(gateway: GatewayProcess, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from gateway.observability.completions import unix_ns
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI, free_port
-from tests.test_loop_versions import wait_for
+from tests.waiting import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

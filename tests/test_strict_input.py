@@ -19,8 +19,9 @@ import pytest
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
-from tests.test_disconnect import local_engine, wait_for
+from tests.test_disconnect import local_engine
 from tests.test_errors import assert_openai_error
+from tests.waiting import wait_for
 
 HI = [{"role": "user", "content": "hi"}]
 AUTH = {"authorization": f"Bearer {CLIENT_KEY}"}

@@ -71,6 +71,8 @@ def test_rounds_gates_and_rewards_per_version_reach_wandb(tmp_path: Path,
     story = tell(tmp_path, *servers, f'[tracking]\nreport_to = ["wandb"]\nmode = "offline"\n'
                                      f'project = "flywheel-test"\ndir = "{tracking_dir}"', full=False)
     metrics = httpx.get(f"{story.gateway.url}/metrics", timeout=10).text
+    stored_rewards = httpx.get(f"{story.gateway.url}/flywheel/v1/status", headers={"authorization": "Bearer admin"},
+                               timeout=60).json()["aliases"][0]["reward_by_version"]["versions"]
     story.gateway.stop()  # finishes the W&B runs: their files are complete
     (run_dir,) = (tracking_dir / "wandb").glob("offline-run-*")
     rows = history(run_dir)
@@ -85,7 +87,9 @@ def test_rounds_gates_and_rewards_per_version_reach_wandb(tmp_path: Path,
     serving = [row["serving/version"] for row in rows if "serving/version" in row]
     assert serving == [0, promoted, 0]  # base model, the promotion, the monitor's rollback
     live = [row for row in rows if "live_reward/mean" in row and row["version"] == promoted]
-    assert live and live[-1]["live_reward/n"] >= 1 and 0 <= live[-1]["live_reward/mean"] <= 1
+    last = live[-1] if live else {}
+    assert 1 <= last["live_reward/n"] <= stored_rewards[str(promoted)]["n"]  # logged as the store counted them
+    assert last["live_reward/low"] < last["live_reward/mean"] < last["live_reward/high"]
     assert 'flywheel_tracking_records_total{outcome="logged"}' in metrics
     assert 'flywheel_tracking_records_total{outcome="dropped"} 0.0' in metrics
     assert 'flywheel_tracking_records_total{outcome="failed"} 0.0' in metrics

@@ -66,9 +66,7 @@ async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
     rows = (await link.op("serving"))[alias]
     canary = state.router.canaries.get(alias)
     flight = rows["in_flight"]
-    last_runs: dict[str, Any] = {}
-    for run in await link.op("job_runs", alias=alias, limit=100):
-        last_runs.setdefault(run["job"], run)
+    last_runs = await link.op("last_runs", alias=alias, jobs=[*GLOBAL_JOBS, *ALIAS_JOBS])
     return {
         "alias": alias,
         "serving": {**alias_info(served), "row": rows["serving"]},

@@ -66,6 +66,7 @@ def _reward(cell: dict[str, Any] | None) -> str:
 def _offline_status(location: Location) -> dict[str, Any]:
     """``/flywheel/v1/status`` computed on the store file: what a stopped gateway would report."""
     from gateway.loop import store_ops
+    from gateway.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS
 
     settings = location.settings
     store = open_store(location.database or settings.database)
@@ -73,9 +74,7 @@ def _offline_status(location: Location) -> dict[str, Any]:
         out = []
         for alias in settings.aliases:
             rows = store_ops.serving(store, settings)[alias]
-            last: dict[str, Any] = {}
-            for run in store_ops.job_runs(store, settings, alias=alias, limit=100):
-                last.setdefault(run["job"], run)
+            last = store_ops.last_runs(store, settings, alias=alias, jobs=[*GLOBAL_JOBS, *ALIAS_JOBS])
             out.append({"alias": alias, "serving": {"version": (rows["serving"] or {}).get("version", 0),
                                                     "row": rows["serving"]},
                         "candidate": rows["in_flight"], "canary": None, "monitor": None,

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli import autorl, jobs, loop
+from gateway.cli import autorl, demo, jobs, loop
 from gateway.cli.common import ConfigOption, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
 
@@ -32,6 +32,7 @@ app.command("versions")(loop.versions)
 app.command("promote")(loop.promote)
 app.command("rollback")(loop.rollback)
 app.command("autorl")(autorl.autorl)
+app.command("demo")(demo.demo)
 
 @app.command()
 def serve(config: ConfigOption = None,

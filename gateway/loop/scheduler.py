@@ -44,6 +44,9 @@ from gateway.observability.loop_jobs import Observability
 from gateway.state import GatewayState
 
 log = logging.getLogger("flywheel.loop")
+# A tick that finds its job still running is skipped by design (max_instances=1); APScheduler would log
+# each skip as a warning, once a second while a round trains.
+logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
 
 ALIAS_JOBS = ("score", "train", "gate", "ab")
 GLOBAL_JOBS = ("close_idle", "form_groups")
@@ -62,15 +65,12 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def _age_s(iso_time: str) -> float:
-    return time.time() - datetime.fromisoformat(iso_time).timestamp()
-
-
-def training_due(pending: dict[str, Any], loop: LoopConfig) -> bool:
+def training_due(pending: dict[str, Any], loop: LoopConfig, started_at: float) -> bool:
     """The loop's rule for a round (the store's ``pending`` of an alias): ``min_groups`` scored groups wait, or
-    one does and the last round is ``train_every_s`` old."""
+    one does and the last round (with none yet: ``started_at``, when this loop started) is ``train_every_s`` old."""
     scored, last = pending["scored_groups"], pending["last_trained_at"]
-    return scored >= loop.min_groups or bool(scored and (last is None or _age_s(last) >= loop.train_every_s))
+    since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else started_at)
+    return scored >= loop.min_groups or bool(scored and since_last >= loop.train_every_s)
 
 
 class Loop:
@@ -83,6 +83,7 @@ class Loop:
         self.child = TrainingChild(state.settings, gateway_url)
         self.scheduler = AsyncIOScheduler()
         self.stopping = False
+        self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
@@ -108,6 +109,7 @@ class Loop:
                     job.remove()
             await self.child.stop_all()  # the new leader records them failed
             return
+        self.started_at = time.time()
         try:
             recovered = await self.state.store_link.op("recover")
             if any(recovered.values()):
@@ -248,7 +250,7 @@ class Loop:
             return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
         pending = await link.op("pending", alias=alias)
         scored = pending["scored_groups"]
-        if not training_due(pending, loop):
+        if not training_due(pending, loop, self.started_at):
             return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
         result = await self.child.run(alias)
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
@@ -342,21 +344,21 @@ class Loop:
                   "mean_candidate": sum(ours) / len(ours) if ours else None,
                   "mean_baseline": sum(theirs) / len(theirs) if theirs else None}
         counts = {"pairs": test.pairs, "candidate": len(ours), "baseline": len(theirs)}
-        if decision == "max_pairs":
-            decision = "better" if config.on_max == "promote" else "worse"
         if decision == "continue":
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
             return Outcome("waiting", f"canary: {test.pairs} pairs, p(better)={test.better.p_value:.3f}", counts)
-        if decision == "better":
+        if decision == "better" or (decision == "max_pairs" and config.on_max == "promote"):
+            shown = (f"better than version {baseline} (p={test.better.p_value:.4f}" if decision == "better" else
+                     f"not shown worse than version {baseline} by max_pairs (on_max = promote; "
+                     f"p(worse)={test.worse.p_value:.4f}")
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
-            await promote_version(self.state, alias, candidate,
-                                  reason=f"canary: better than version {baseline} (p={test.better.p_value:.4f}, "
-                                         f"{test.pairs} pairs)")
+            await promote_version(self.state, alias, candidate, reason=f"canary: {shown}, {test.pairs} pairs)")
             return Outcome("ok", f"version {candidate} promoted by the canary", counts)
+        shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
+                 f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
         # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
         await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
-                      reason=f"canary: not better than version {baseline} (p(worse)={test.worse.p_value:.4f}, "
-                             f"{test.pairs} pairs)")
+                      reason=f"canary: {shown}, {test.pairs} pairs)")
         await self.state.router.stop_canary(alias)
         return Outcome("ok", f"version {candidate} rejected by the canary", counts)
 

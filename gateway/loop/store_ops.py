@@ -231,14 +231,19 @@ def job_finished(store: Store, settings: Settings, run_id: str, status: str, cou
         session.commit()
 
 
-@op("job_runs")
-def job_runs(store: Store, settings: Settings, alias: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-    """The most recent runs (of one alias and the alias-wide jobs), newest first."""
+@op("last_runs")
+def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> dict[str, dict[str, Any]]:
+    """The latest run of each of ``jobs`` (for ``alias``, or alias-wide): a busy job cannot hide a quiet one."""
+    found: dict[str, dict[str, Any]] = {}
     with store.session() as session:
-        query = select(JobRun).order_by(col(JobRun.started_at).desc()).limit(limit)
-        if alias is not None:
-            query = query.where(or_(col(JobRun.alias) == alias, col(JobRun.alias).is_(None)))
-        return [run.model_dump(mode="json") for run in session.exec(query)]
+        for job in jobs:
+            query = (select(JobRun).where(col(JobRun.job) == job,
+                                          or_(col(JobRun.alias) == alias, col(JobRun.alias).is_(None)))
+                     .order_by(col(JobRun.started_at).desc()).limit(1))
+            run = session.exec(query).first()
+            if run is not None:
+                found[job] = run.model_dump(mode="json")
+    return found
 
 
 # -- rewards per version (the A/B test, the monitor, status) ------------------------------------------------

@@ -1,0 +1,395 @@
+"""``flywheel demo``: watch an agent that was not modified at all get better, on a laptop's CPU.
+
+    flywheel demo                        # tiny model: warm start (once), then ~13 minutes of the loop
+    flywheel demo --minutes 5            # shorter
+    flywheel demo --model ~/models/Qwen2.5-0.5B-Instruct   # a real local model, no warm start
+
+What happens:
+
+1. The tiny model is built into ``<data_dir>/models/tiny`` if missing and given a short supervised
+   warm start that teaches only the *format* of the task — a valid tool call, then a final answer,
+   with tools chosen at random (``trainer/warm_start.py``). It exists only because the tiny model
+   starts from random weights; it is cached, so a second run skips it.
+2. A gateway starts with the local engine and the loop (``<data_dir>/demo/``, fresh each run).
+3. The bundled agent (``examples/demo/agent.py``) runs: a support agent that must call the right one
+   of four tools for each customer request, gets the tool's result and answers. It uses only the
+   ``openai`` client with its ``base_url`` pointed at the gateway, and reports each episode's reward
+   through the feedback endpoint — the only thing it knows about Flywheel.
+4. The loop groups the episodes, trains LoRA rounds in a child process, gates each candidate
+   offline (held-out requests, the task's reward hook) and on a canary (a sequential test on live
+   rewards), promotes or rejects it, and watches each promotion for a drop — by itself, while the
+   agent keeps running. The screen shows episodes, versions, reward per version, gate decisions.
+5. At the end: reward per version with n and a 95% interval, the test used and its p-value, and a
+   plot of reward over episodes coloured by serving version (``<data_dir>/demo/reward.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from gateway.cli.common import fail
+
+REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
+ALIAS = "flywheel"
+
+# What the loop uses on the tiny model: the settings bench/demo_learning.py chose (docs/demo.md).
+TINY_TRAIN_ARGS: dict[str, Any] = {
+    "learning_rate": 3e-3, "lora_r": 16, "lora_alpha": 32, "precision": "fp32", "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 16, "num_train_epochs": 4, "beta": 0.05, "max_grad_norm": 0.05,
+    "max_prompt_tokens": 512, "max_completion_tokens": 96, "temperature": 1.0, "seed": 0,
+}
+GROUP_SIZE = 4  # attempts per request: the agent repeats each request this many times in a row
+WARM_START_STEPS = 80
+
+
+@dataclass
+class Episode:
+    index: int
+    reward: float
+    right_tool: bool
+    finished_at: float
+
+
+@dataclass
+class Board:
+    """What the live display shows, updated by the agent's output and by polling the gateway."""
+
+    started: float = field(default_factory=time.monotonic)
+    episodes: list[Episode] = field(default_factory=list)
+    errors: int = 0
+    status: dict[str, Any] = field(default_factory=dict)
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    events: deque[str] = field(default_factory=lambda: deque(maxlen=8))
+    _seen: dict[int, str] = field(default_factory=dict)
+
+    def promoted(self, enough: int) -> bool:
+        return enough > 0 and sum(1 for row in self.versions if row.get("promoted_at")) >= enough
+
+    def note_versions(self, rows: list[dict[str, Any]]) -> None:
+        """Turn status changes of versions into lines for the event log."""
+        for row in rows:
+            previous = self._seen.get(row["version"])
+            if previous != row["status"]:
+                self._seen[row["version"]] = row["status"]
+                elapsed = time.monotonic() - self.started
+                reason = f" — {row['reason']}" if row.get("reason") else ""
+                self.events.append(f"{elapsed:6.0f}s  version {row['version']}: {row['status']}{reason}")
+        self.versions = rows
+
+
+def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's store and its plot go.")] = Path(
+             "flywheel-data"),
+         minutes: Annotated[float, typer.Option(help="How long the agent runs (the warm start is extra).")] = 13.0,
+         episodes: Annotated[int | None, typer.Option(help="Stop after this many episodes instead.")] = None,
+         concurrency: Annotated[int, typer.Option(help="Episodes the agent runs at once.")] = 4,
+         model: Annotated[Path | None, typer.Option(
+             help="A local model directory (e.g. Qwen2.5-0.5B-Instruct) instead of the tiny one; no warm start.")
+                          ] = None,
+         seed: Annotated[int, typer.Option(help="The agent's seed.")] = 0,
+         min_groups: Annotated[int, typer.Option(help="Scored groups per training round.")] = 16,
+         canary_pairs: Annotated[int, typer.Option(
+             help="Canary episodes per version before the A/B test must decide.")] = 120,
+         promotions: Annotated[int, typer.Option(
+             help="Stop once this many versions were promoted (0: run the whole time).")] = 0,
+         ) -> None:
+    """Watch an unmodified agent improve: warm start (tiny model), gateway + loop, agent, live progress, plot.
+
+    Example: flywheel demo --minutes 10   (CI runs: --minutes 8 --min-groups 4 --canary-pairs 20 --promotions 1)
+    """
+    data_dir = data_dir.resolve()
+    console = Console(stderr=True, highlight=False)
+    served_model = _model(data_dir, model, console)
+    demo_dir = data_dir / "demo"
+    shutil.rmtree(demo_dir, ignore_errors=True)  # every run starts from the warm start, with a fresh store
+    demo_dir.mkdir(parents=True)
+    config = demo_dir / "flywheel.toml"
+    config.write_text(demo_config(demo_dir, served_model, tiny=model is None, min_groups=min_groups,
+                                   canary_pairs=canary_pairs))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)}
+    port = _free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
+                                str(port)], stdout=subprocess.DEVNULL, stderr=(demo_dir / "gateway.log").open("wb"),
+                               env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    board = Board()
+    try:
+        _wait_ready(gateway, url, demo_dir)
+        console.print(f"gateway ready at {url} (log {demo_dir / 'gateway.log'}); starting the agent")
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "examples.demo.agent", "--base-url", f"{url}/v1", "--episodes",
+             str(episodes or 1_000_000), "--concurrency", str(concurrency), "--seed", str(seed),
+             "--group-size", str(GROUP_SIZE)],
+            stdout=subprocess.PIPE, stderr=(demo_dir / "agent.log").open("wb"), env=env, cwd=REPO, text=True)
+        reader = threading.Thread(target=_read_agent, args=(agent, board), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + minutes * 60
+        with Live(_render(board), console=console, refresh_per_second=2) as live:
+            while agent.poll() is None and time.monotonic() < deadline and not board.promoted(promotions):
+                _poll(url, board)
+                live.update(_render(board))
+                time.sleep(1.0)
+            agent.terminate()
+            agent.wait(timeout=30)
+            _poll(url, board)
+            live.update(_render(board))
+        summary = _finish(url, board, demo_dir)
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+    _report(Console(highlight=False), summary, demo_dir)
+
+
+def _model(data_dir: Path, model: Path | None, console: Console) -> Path:
+    """The model the gateway serves: the given directory, or the tiny model after its (cached) warm start."""
+    if model is not None:
+        if not (model / "config.json").is_file():
+            fail(f"--model: {model} is not a model directory (config.json missing)")
+        return model.resolve()
+    sys.path.insert(0, str(REPO))  # examples/ is not an installed package
+    from examples.demo import task
+    from trainer.tiny_model import ensure_tiny_model
+    from trainer.warm_start import warm_start
+
+    tiny = ensure_tiny_model(data_dir / "models" / "tiny")
+    out = data_dir / "models" / "demo-warm-start"
+    if not (out / "config.json").is_file():
+        console.print("warm start: teaching the tiny model the task's format (tool call, then an answer; "
+                      "tools at random) — once, cached in " + str(out))
+    return Path(warm_start(tiny, out, task.warm_start_examples(512, seed=0), steps=WARM_START_STEPS, seed=0))
+
+
+def demo_config(demo_dir: Path, model: Path, *, tiny: bool, min_groups: int, canary_pairs: int) -> str:
+    """The demo gateway's configuration: local engine, the loop on short ticks, the task's reward hook.
+
+    The canary decides after ``canary_pairs`` pairs at most and then promotes a candidate that passed the
+    offline gate and was not shown worse (``on_max = "promote"``): a laptop demo cannot wait for the
+    thousands of episodes a small gain needs; the monitor still rolls back a promotion that drops.
+    """
+    args = "\n".join(f"{k} = {json.dumps(v)}" for k, v in (TINY_TRAIN_ARGS if tiny else {}).items())
+    return f"""# written by flywheel demo
+data_dir = "{demo_dir}"
+log_level = "warning"
+
+[engines.local]
+model = "{model}"
+default_max_tokens = 64
+
+[aliases.{ALIAS}]
+engine = "local"
+
+[capture]
+idle_close_s = 60
+
+[groups]
+form_every_s = 2
+min_size = {GROUP_SIZE}
+max_size = {GROUP_SIZE}
+
+[judge]
+enabled = false  # every episode reports its reward: no judge needed
+
+[train]
+tiny_defaults = false
+max_groups = {min_groups}
+
+[train.args]
+{args}
+
+[loop]
+tick_s = 1
+score_every_s = 2
+min_groups = {min_groups}
+train_threads = 1
+
+[loop.gate]
+contexts = 24
+min_contexts = 12
+holdout_fraction = 0.1
+reward_hook = "examples.demo.task:gate_reward"
+max_tokens = 64
+
+[loop.canary]
+fraction = 0.5
+max_pairs = {canary_pairs}
+on_max = "promote"
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_ready(gateway: subprocess.Popen[bytes], url: str, demo_dir: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.poll() is not None:
+            tail = (demo_dir / "gateway.log").read_text(errors="replace")[-2000:]
+            fail(f"the gateway exited with {gateway.returncode}: {tail.strip().splitlines()[-1] if tail else ''}")
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    fail(f"the gateway did not answer within {timeout_s:.0f} s (log {demo_dir / 'gateway.log'})")
+
+
+def _read_agent(agent: subprocess.Popen[str], board: Board) -> None:
+    assert agent.stdout is not None
+    for line in agent.stdout:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "episode" not in record:
+            continue
+        if record.get("error"):
+            board.errors += 1
+        board.episodes.append(Episode(record["episode"], float(record.get("reward") or 0.0),
+                                      bool(record.get("right_tool")), time.monotonic()))
+
+
+def _poll(url: str, board: Board) -> None:
+    try:
+        board.status = httpx.get(f"{url}/flywheel/v1/status", timeout=10).json()["aliases"][0]
+        board.note_versions(httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/versions", timeout=10).json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass  # the next poll will do
+
+
+def _render(board: Board) -> Panel:
+    elapsed = time.monotonic() - board.started
+    recent = board.episodes[-64:]
+    rate = len(board.episodes) / elapsed if elapsed > 0 else 0.0
+    head = Table.grid(padding=(0, 2))
+    serving = (board.status.get("serving") or {}).get("version", 0)
+    candidate = board.status.get("candidate")
+    head.add_row(f"[bold]{elapsed:5.0f} s[/bold]", f"{len(board.episodes)} episodes ({rate:.1f}/s)",
+                 f"serving version [bold]{serving}[/bold]",
+                 f"candidate: version {candidate['version']} {candidate['status']}" if candidate else "no candidate",
+                 f"reward (last {len(recent)}): {sum(e.reward for e in recent) / max(1, len(recent)):.3f}")
+    rewards = Table(title="reward per version (finished episodes)", title_justify="left", expand=False)
+    for column in ("version", "n", "mean", "95% interval"):
+        rewards.add_column(column)
+    for version, cell in ((board.status.get("reward_by_version") or {}).get("versions") or {}).items():
+        interval = f"[{cell['low']:.3f}, {cell['high']:.3f}]" if "low" in cell else "-"
+        rewards.add_row(version, str(cell["n"]), f"{cell['mean']:.3f}", interval)
+    canary = board.status.get("canary") or {}
+    ab = canary.get("ab") or {}
+    lines: list[RenderableType] = [head, rewards]
+    if ab:
+        lines.append(f"canary: version {canary['version']} vs {ab.get('baseline_version')}: {ab.get('pairs')} pairs, "
+                     f"p(better)={ab.get('p_better', 1):.4f}, p(worse)={ab.get('p_worse', 1):.4f}")
+    lines += list(board.events)
+    return Panel(Group(*lines), title="flywheel demo: an unmodified agent, learning")
+
+
+def _finish(url: str, board: Board, demo_dir: Path) -> dict[str, Any]:
+    """Collect the numbers, write the plot and ``summary.json``."""
+    status = httpx.get(f"{url}/flywheel/v1/status", timeout=30).json()["aliases"][0]
+    versions = httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/versions", timeout=30).json()["data"]
+    rewards = httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/rewards", timeout=60).json()["rewards"]
+    summary = {"episodes": len(board.episodes), "agent_errors": board.errors,
+               "seconds": time.monotonic() - board.started, "reward_by_version": status["reward_by_version"],
+               "serving_version": status["serving"]["version"], "versions": versions,
+               "promoted": [v["version"] for v in versions if v.get("promoted_at")],
+               "final_comparison": final_comparison(rewards, status["serving"]["version"])}
+    (demo_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_rewards(rewards, versions, demo_dir / "reward.png")
+    return summary
+
+
+def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, Any] | None:
+    """The serving version against the warm start (version 0), with the loop's own sequential test."""
+    from gateway.loop.abtest import SequentialTest
+
+    if serving == 0:
+        return None
+    ours = [r["reward"] for r in rewards if r["version"] == serving]
+    theirs = [r["reward"] for r in rewards if r["version"] == 0]
+    test = SequentialTest(alpha=0.05, max_pairs=max(1, min(len(ours), len(theirs))))
+    test.add_all(ours, theirs)
+    return {"version": serving, **test.summary()}
+
+
+def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], out: Path, window: int = 25) -> None:
+    """Reward over finished episodes (each version's moving average), coloured by the version that served them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 4.5), dpi=110)
+    colours = plt.get_cmap("tab10")
+    by_version: dict[int, list[tuple[int, float]]] = {}
+    own: dict[int, list[float]] = {}  # each version's moving average runs over its own episodes only
+    for index, row in enumerate(rewards):
+        values = own.setdefault(row["version"], [])
+        values.append(row["reward"])
+        recent = values[-window:]
+        by_version.setdefault(row["version"], []).append((index, sum(recent) / len(recent)))
+    for version, points in sorted(by_version.items()):
+        xs, ys = zip(*points, strict=True)
+        label = "warm start (version 0)" if version == 0 else f"version {version}"
+        axes.scatter(xs, ys, s=6, color=colours(version % 10), label=label)
+    axes.set_xlabel("finished episodes (in the order they closed)")
+    axes.set_ylabel(f"reward, moving average of the version's last {window}")
+    axes.set_ylim(-0.02, 1.02)
+    decided = ", ".join(f"v{v['version']} {v['status']}" for v in versions if v["status"] != "training")
+    axes.set_title(f"flywheel demo: reward by serving version ({decided})", fontsize=9)
+    axes.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+
+
+def _report(console: Console, summary: dict[str, Any], demo_dir: Path) -> None:
+    table = Table(title="reward per version", title_justify="left")
+    for column in ("version", "status", "n", "mean reward", "95% interval", "gate"):
+        table.add_column(column)
+    rows = {str(v["version"]): v for v in summary["versions"]}
+    for version, cell in summary["reward_by_version"]["versions"].items():
+        row = rows.get(version, {})
+        gate = row.get("gate") or {}
+        online = gate.get("online") or {}
+        said = (f"offline win rate {gate['offline']['win_rate']:.2f}" if gate.get("offline") else "")
+        if online:
+            said += f"; canary {online.get('decision')}, p={online.get('p_better', 1):.4f}"
+        interval = f"[{cell['low']:.3f}, {cell['high']:.3f}]" if "low" in cell else "-"
+        table.add_row(version, row.get("status", "base model"), str(cell["n"]), f"{cell['mean']:.3f}", interval,
+                      said.strip("; "))
+    console.print(table)
+    final = summary.get("final_comparison")
+    if final:
+        console.print(f"version {final['version']} vs the warm start: mean difference {final['mean_difference']:+.3f} "
+                      f"over {final['pairs']} paired episodes; test: {final['test']}; "
+                      f"p(better) = {final['p_better']:.4g}")
+    else:
+        console.print("no version was promoted in this run: the warm start still serves")
+    console.print(f"{summary['episodes']} episodes in {summary['seconds'] / 60:.1f} min; "
+                  f"plot: {demo_dir / 'reward.png'}; numbers: {demo_dir / 'summary.json'}")

@@ -1,0 +1,29 @@
+"""`flywheel demo`, end to end in its shortened mode: warm start, gateway, unmodified agent, the loop promotes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from gateway.cli.demo import REPO
+
+
+def test_the_demo_promotes_a_version_on_its_own(tmp_path: Path) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "gateway", "demo", "--data-dir", str(tmp_path), "--minutes", "8", "--min-groups", "4",
+         "--canary-pairs", "20", "--promotions", "1"],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["promoted"], (summary["versions"], shown.stderr[-3000:])
+    assert summary["serving_version"] >= 1 and summary["agent_errors"] == 0
+    served = summary["reward_by_version"]["versions"]
+    assert served["0"]["n"] > 0 and summary["episodes"] >= served["0"]["n"]
+    promoted = next(v for v in summary["versions"] if v["version"] == summary["promoted"][0])
+    assert promoted["source"] == "trained" and promoted["gate"]["offline"]["contexts"] >= 1
+    assert "online" in promoted["gate"]
+    assert (tmp_path / "demo" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "reward per version" in shown.stdout
+    assert (tmp_path / "models" / "demo-warm-start" / "config.json").is_file()  # cached for the next run
