@@ -1,5 +1,5 @@
 """Two gateway replicas on one PostgreSQL store: conversations whose turns alternate between them are rebuilt
-whole, never split, never cross-linked, and every turn sent is stored (docs/storage.md, "Several writers").
+whole, never split, never cross-linked, and every turn sent is stored (docs/storage.md, "Several writers (PostgreSQL)").
 
 The engine is a scripted OpenAI-compatible server; the store is a database on the session's real
 PostgreSQL server (tests/postgres.py). Two writers on the store level race for the same stored turns.
