@@ -142,6 +142,10 @@ class TrainConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
     tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)
     max_groups: int = Field(default=64, ge=1)  # scored groups per round
+    # true: rounds are trained by trainer workers (`flywheel train --gateway URL` on a GPU machine, docs/deploy.md)
+    # through the admin API; the loop never trains in a child process of its own (the gateway needs no torch),
+    # gates what the workers report, and fails a round no worker reported within loop.train_timeout_s
+    workers: bool = False
 
 
 class GateConfig(BaseModel):

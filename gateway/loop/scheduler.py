@@ -111,7 +111,8 @@ class Loop:
             return
         self.started_at = time.time()
         try:
-            recovered = await self.state.store_link.op("recover")
+            # Trainer workers' rounds are not this replica's children: their versions time out instead (train job).
+            recovered = await self.state.store_link.op("recover", rounds=not self.settings.train.workers)
             if any(recovered.values()):
                 log.warning("loop: after the last leader stopped, %s", recovered)
         except Exception as exc:  # the store process is (re)starting: what is stale is found at the next start
@@ -247,11 +248,18 @@ class Loop:
         link, loop = self.state.store_link, self.settings.loop
         flight = (await link.op("serving"))[alias]["in_flight"]
         if flight is not None:
+            if self.settings.train.workers and flight["status"] == "training" and \
+                    time.time() - datetime.fromisoformat(flight["created_at"]).timestamp() > loop.train_timeout_s:
+                await link.op("record_failed_round", alias=alias, version=flight["version"],
+                              error=f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
+                return Outcome("failed", f"version {flight['version']}: no report from its trainer worker")
             return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
         pending = await link.op("pending", alias=alias)
         scored = pending["scored_groups"]
         if not training_due(pending, loop, self.started_at):
             return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
+        if self.settings.train.workers:
+            return Outcome("waiting", f"{scored} scored groups wait for a trainer worker", {"scored_groups": scored})
         result = await self.child.run(alias)
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")

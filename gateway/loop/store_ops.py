@@ -189,11 +189,11 @@ def record_gate(store: Store, settings: Settings, alias: str, version: int, gate
 
 
 @op("recover")
-def recover(store: Store, settings: Settings) -> dict[str, int]:
-    """When a gateway starts leading the loop: runs and rounds that were in progress when the last leader stopped
-    are recorded as such."""
+def recover(store: Store, settings: Settings, rounds: bool = True) -> dict[str, int]:
+    """When a gateway starts leading the loop: runs and rounds (with ``rounds``; trainer workers' are not the
+    gateway's) that were in progress when the last leader stopped are recorded as such."""
     with store.session() as session:
-        failed = versions.fail_stale(session)
+        failed = versions.fail_stale(session) if rounds else 0
         runs = list(session.exec(select(JobRun).where(JobRun.status == "running")))
         for run in runs:
             run.status, run.finished_at, run.error = "interrupted", utcnow(), "the gateway stopped during the run"
