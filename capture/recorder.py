@@ -174,8 +174,9 @@ class Recorder:
         """Write everything submitted so far now (or spool it), waiting at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         self._write_now.set()  # a reader is waiting: do not wait for the batch to fill
-        while (not self.queue.empty() or self._collecting or self._writing is not None) \
-                and time.monotonic() < deadline:
+        # A line the pending read took off the queue is on its way to the batch (``_run`` resumes a step later).
+        while (not self.queue.empty() or (self._next is not None and self._next.done()) or self._collecting
+               or self._writing is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
     async def _run(self) -> None:
