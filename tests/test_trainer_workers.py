@@ -93,5 +93,10 @@ enabled = false
         wait_for(lambda: status(gateway)["serving"]["version"] == 1, "the loop to promote the worker's round")
         assert "agent@1" in vllm.loras
         assert worker(gateway)["status"] == "nothing"  # the groups are trained: nothing handed out twice
+        # Two workers never train one alias at once: a reservation while a version is in flight is refused.
+        assert admin(gateway, "POST", "/training/versions", json={"alias": "agent"})["version"] == 2
+        second = httpx.post(f"{gateway.url}/flywheel/v1/training/versions", headers=ADMIN, timeout=30,
+                            json={"alias": "agent"})
+        assert second.status_code == 400 and "one round at a time" in second.text, second.text
     finally:
         gateway.stop()

@@ -86,7 +86,8 @@ async def reserve_version(request: Request) -> Response:
     state, body = await _admin_body(request, VersionRequest)
     served = state.router.get(body.alias)
     row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
-                                    parent_version=served.version or None)
+                                    parent_version=served.version or None,
+                                    alone=state.settings.train.workers)  # workers: never two rounds at once
     return json_response(row)
 
 
