@@ -35,7 +35,10 @@ def content_text(content: Any) -> str:
         parts = []
         for part in content:
             if isinstance(part, dict):
-                parts.append(part.get("text") if part.get("type") in ("text", None) else f"[{part.get('type')}]")
+                text = part.get("text")
+                if text is not None and not isinstance(text, str):  # not OpenAI's shape, but never a crash
+                    text = str(text)
+                parts.append(text if part.get("type") in ("text", None) else f"[{part.get('type')}]")
             else:
                 parts.append(str(part))
         return "".join(p or "" for p in parts)

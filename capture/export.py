@@ -16,12 +16,14 @@ request repeated the history, the conversation as it happened when some rewrote 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
 from capture.history import branch_conversation
@@ -37,6 +39,21 @@ _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 class ExportError(RuntimeError):
     """An export that cannot be made (wrong backend, unwritable path)."""
+
+
+def check_destination(out: Path, fmt: str) -> None:
+    """Raise :class:`ExportError` unless ``out`` can take a ``fmt`` export: checked before any work is done."""
+    if fmt == "parquet" and out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
+    if fmt != "parquet" and out.is_dir():
+        raise ExportError(f"{out} is a directory; {fmt} export writes one JSON Lines file")
+    existing = out if fmt == "parquet" else out.parent
+    while not existing.exists():  # the directories still to be made
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ExportError(f"cannot write {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {out}: {existing} is not writable")
 
 
 def branch_messages(detail: dict[str, Any], leaf_turn_id: str) -> list[dict[str, Any]]:
@@ -156,18 +173,22 @@ def export_parquet(store: Store, out_dir: Path, flt: TrajectoryFilter | None = N
     if not store.url.startswith("duckdb:"):
         raise ExportError(f"Parquet export reads the DuckDB file directly; this store is "
                           f"{store.url.split('://')[0]}. Export JSON Lines (openai, art) instead.")
+    check_destination(out_dir, "parquet")
     out_dir.mkdir(parents=True, exist_ok=True)
     chosen = select(TrajectoryRow.id).where(*(flt or TrajectoryFilter()).conditions())
     ids_sql = str(chosen.compile(store.engine, compile_kwargs={"literal_binds": True}))
     trajectories_path, turns_path = out_dir / "trajectories.parquet", out_dir / "turns.parquet"
-    with store.engine.connect() as connection:
-        trajectories = connection.exec_driver_sql(
-            f"COPY (SELECT * FROM trajectories WHERE id IN ({ids_sql}) ORDER BY created_at, id) "
-            f"TO {_sql_string(trajectories_path)} (FORMAT parquet)").scalar()
-        turns = connection.exec_driver_sql(
-            f"COPY (SELECT * FROM turns WHERE trajectory_id IN ({ids_sql}) "
-            f"ORDER BY trajectory_id, created_at, depth, choice_index, id) "
-            f"TO {_sql_string(turns_path)} (FORMAT parquet)").scalar()
+    try:
+        with store.engine.connect() as connection:
+            trajectories = connection.exec_driver_sql(
+                f"COPY (SELECT * FROM trajectories WHERE id IN ({ids_sql}) ORDER BY created_at, id) "
+                f"TO {_sql_string(trajectories_path)} (FORMAT parquet)").scalar()
+            turns = connection.exec_driver_sql(
+                f"COPY (SELECT * FROM turns WHERE trajectory_id IN ({ids_sql}) "
+                f"ORDER BY trajectory_id, created_at, depth, choice_index, id) "
+                f"TO {_sql_string(turns_path)} (FORMAT parquet)").scalar()
+    except DBAPIError as exc:  # DuckDB's own write failures (disk full, a file in the way)
+        raise ExportError(f"cannot write the Parquet files in {out_dir}: {str(exc.orig).splitlines()[0]}") from None
     return ParquetExport(trajectories_path, turns_path, int(trajectories or 0), int(turns or 0))
 
 

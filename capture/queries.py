@@ -95,11 +95,13 @@ def parse_time(text: str, param: str, now: datetime | None = None) -> datetime:
     """ISO 8601 (naive means UTC), unix seconds, or a duration ago (``30m``, ``2h``, ``7d``)."""
     text = text.strip()
     duration = _DURATION.match(text)
-    if duration:
-        seconds = float(duration.group(1)) * _UNIT_S[duration.group(2)]
-        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
     try:
+        if duration:
+            seconds = float(duration.group(1)) * _UNIT_S[duration.group(2)]
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
         return datetime.fromtimestamp(float(text), tz=UTC)
+    except (OverflowError, OSError):  # a number no datetime holds (1e20, 99999999999d)
+        raise QueryError(f"Invalid value for '{param}': {text!r} is out of range", param) from None
     except ValueError:
         pass
     try:
@@ -429,13 +431,25 @@ class CompletionFilter:
     model: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
 
-    def conditions(self) -> list[ColumnElement[bool]]:
+    def conditions(self, dialect: str) -> list[ColumnElement[bool]]:
         out: list[ColumnElement[bool]] = []
         if self.model is not None:
             out.append(or_(col(Turn.requested_model) == self.model, col(Turn.alias) == self.model))
         for key, value in self.metadata.items():
-            out.append(Turn.request_metadata[key].as_string() == value)  # type: ignore[index]
+            out.append(_metadata_value(key, dialect) == value)
         return out
+
+
+def _metadata_value(key: str, dialect: str) -> ColumnElement[str]:
+    """``request_metadata[key]`` as text. DuckDB reads a key that starts with ``$`` or ``/`` as a JSON path, so
+    there the key goes in a quoted path (``$."a.b"``), where only ``*`` still means every key."""
+    if dialect != "duckdb":
+        return Turn.request_metadata[key].as_string()  # type: ignore[index]
+    if key == "*":
+        raise QueryError("Invalid value for 'metadata[*]': '*' cannot be filtered on (it means every key)",
+                         "metadata[*]")
+    path = '$."' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return func.json_extract_string(Turn.request_metadata, path)
 
 
 def _owned(owner: Owner) -> list[ColumnElement[bool]]:
@@ -470,7 +484,8 @@ def list_completions(store: Store, owner: Owner, flt: CompletionFilter = Complet
     """One page of stored chat completions, ordered by creation time, ``after`` = last completion id seen."""
     created = func.min(col(Turn.created_at)).label("created")
     grouped = (select(col(Turn.completion_id).label("completion_id"), created)
-               .where(*_owned(owner), *flt.conditions()).group_by(col(Turn.completion_id)).subquery())
+               .where(*_owned(owner), *flt.conditions(store.engine.dialect.name)).group_by(col(Turn.completion_id))
+               .subquery())
     with store.session() as session:
         query = select(grouped.c.completion_id, grouped.c.created)
         if after is not None:

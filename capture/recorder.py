@@ -208,7 +208,11 @@ class Recorder:
         return line
 
     async def _write(self, batch: list[bytes]) -> None:
-        self.stats.update(await asyncio.to_thread(self._persist, batch))
+        try:
+            self.stats.update(await asyncio.to_thread(self._persist, batch))
+        except Exception:  # the writer task must outlive any batch: a dead one would leave every later turn queued
+            log.exception("could not write or spool a batch of %d exchanges", len(batch))
+            self.stats["failed"] += len(batch)
 
     def _persist(self, batch: list[bytes]) -> Counter[str]:
         """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.

@@ -1,17 +1,29 @@
-"""Redaction of captured text before anything is written (store or spool).
+"""Redaction of every text before it is written: the store, the spool, the logs.
 
 Built-in rules catch e-mail addresses, phone numbers, card-like numbers (Luhn-checked)
-and API-key-like tokens; user rules are extra regexes. Matches become
-``[REDACTED:<RULE>]``. Redaction works on the copy that is stored, never on what the
-client receives.
+and API-key-like tokens; user rules are extra regexes; known secrets (the gateway's own
+keys) are matched literally in logs. Matches become ``[REDACTED:<RULE>]``. Redaction works on
+the copy that is written, never on what the client receives.
+
+It is one pass over every string of what is written (:meth:`Redactor.json`: keys and values
+at any depth), not a list of fields: a field nobody thought of is redacted too. Identifiers
+survive it: the card and phone rules never match inside a word or next to a ``-``, so hex and
+UUID ids (``chatcmpl-...``, ``traj_...``) come out unchanged, and an id that does hold an
+e-mail address or a key is redacted the same way wherever it is written, so lookups agree.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+if TYPE_CHECKING:
+    from capture.turns import CapturedExchange
 
 # The patterns are written for the speed of Python's re: each starts with a character class, so the
 # engine jumps from candidate to candidate in C instead of trying every position; what would come first
@@ -19,12 +31,13 @@ from typing import Any
 # holds them to their plain forms (docs/capture.md), which were 2-10x slower.
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 _PHONE = re.compile(
-    r"[+(\d](?<![\w+].)"  # not preceded by a word character or "+"
+    r"[+(\d](?<![\w+-].)"  # not preceded by a word character, "+" or "-"
     r"(?:(?<=\+)\d{1,3}[\s.-]?(?:\(\d{2,4}\)|\d{2,4})"  # +country code, then area code
     r"|(?<=\()\d{2,4}\)"  # (area code)
     r"|(?<=\d)\d{1,3})"  # area code
-    r"[\s.-]\d{3,4}[\s.-]\d{3,4}(?!\w)")
-_CARD = re.compile(r"\d(?<!\d\d)(?:[ -]?\d){12,18}(?!\d)")  # 13-19 digits, single spaces or dashes between
+    r"[\s.-]\d{3,4}[\s.-]\d{3,4}(?![\w-])")
+# 13-19 digits, single spaces or dashes between, not inside a word or an id (a run of digits in a hex id)
+_CARD = re.compile(r"\d(?<![\w-]\d)(?:[ -]?\d){12,18}(?![\w-])")
 _API_KEY = re.compile(
     r"[sprgAxbB]"
     r"(?:(?<=[spr])(?<!\w[spr])k-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{16,}"  # OpenAI / Anthropic / Stripe style
@@ -66,13 +79,16 @@ class Rule:
     # A cheap test that is true whenever ``pattern`` can match: most text fails it and skips the regex
     # (a 1 KB system prompt cost ~380 us through the four built-in regexes, ~5 us through their tests).
     may_match: Callable[[str], bool] = field(default=lambda text: True)
+    # The shortest text ``pattern`` can match. Most strings of a request are short (roles, names, ids, enum
+    # values): none of the built-in rules can match one under 6 characters, so they skip even the tests.
+    min_length: int = 1
 
 
 BUILTIN_RULES = (
-    Rule("API_KEY", _API_KEY, may_match=_may_hold_key),
-    Rule("EMAIL", _EMAIL, may_match=lambda text: "@" in text),
-    Rule("CARD", _CARD, _luhn_ok, may_match=_may_hold_digit),
-    Rule("PHONE", _PHONE, may_match=_may_hold_digit),
+    Rule("API_KEY", _API_KEY, may_match=_may_hold_key, min_length=15),  # xoxb- and 10 more
+    Rule("EMAIL", _EMAIL, may_match=lambda text: "@" in text, min_length=6),  # a@b.cd
+    Rule("CARD", _CARD, _luhn_ok, may_match=_may_hold_digit, min_length=13),
+    Rule("PHONE", _PHONE, may_match=_may_hold_digit, min_length=10),  # 12 345 678
 )
 
 
@@ -83,54 +99,153 @@ def _replacer(rule: Rule) -> Callable[[re.Match[str]], str]:
 
 
 class Redactor:
-    """Applies the built-in rules (unless disabled) and the user's regexes to text."""
+    """Applies the built-in rules (unless disabled), the user's regexes and the known secrets to text."""
 
-    def __init__(self, *, builtin: bool = True, patterns: list[str] | None = None) -> None:
+    def __init__(self, *, builtin: bool = True, patterns: list[str] | None = None,
+                 secrets: list[str] | None = None) -> None:
         rules = list(BUILTIN_RULES) if builtin else []
         for index, pattern in enumerate(patterns or []):
             try:
                 rules.append(Rule(f"CUSTOM_{index}", re.compile(pattern)))
             except re.error as exc:
                 raise ValueError(f"capture.redaction.patterns[{index}]: invalid regex {pattern!r}: {exc}") from None
+        known = sorted({s for s in secrets or () if s}, key=len, reverse=True)  # the longest first
+        if known:
+            rules.append(Rule("SECRET", re.compile("|".join(map(re.escape, known))),
+                              may_match=lambda text: any(secret in text for secret in known),
+                              min_length=len(known[-1])))
         self.rules = tuple(rules)
-        self._substitutions = tuple((rule.may_match, rule.pattern, _replacer(rule)) for rule in self.rules)
+        self._substitutions = tuple((rule.min_length, rule.may_match, rule.pattern, _replacer(rule))
+                                    for rule in self.rules)
+        self._shortest = min((rule.min_length for rule in self.rules), default=1 << 30)
+        self._clean_keys: dict[str, None] = {}  # object keys seen unchanged: they repeat in every message
 
     def text(self, value: str) -> str:
-        for may_match, pattern, replace in self._substitutions:
-            if may_match(value):
+        if len(value) < self._shortest:
+            return value
+        for min_length, may_match, pattern, replace in self._substitutions:
+            if len(value) >= min_length and may_match(value):
                 value = pattern.sub(replace, value)
         return value
 
-    def message(self, message: dict[str, Any]) -> dict[str, Any]:
-        """One chat message redacted (content, text parts, tool-call arguments): a copy when something
-        changed, else the message itself (so comparing the two is an identity check)."""
-        out = message
-        content = message.get("content")
-        if isinstance(content, str):
-            text = self.text(content)
-            if text != content:
-                out = {**message, "content": text}
-        elif isinstance(content, list):
-            parts = [self._part(p) for p in content]
-            if any(new is not old for new, old in zip(parts, content, strict=True)):
-                out = {**message, "content": parts}
-        calls = message.get("tool_calls")
-        if calls:
-            redacted_calls = [self._tool_call(call) for call in calls]
-            if any(new is not old for new, old in zip(redacted_calls, calls, strict=True)):
-                out = {**out, "tool_calls": redacted_calls}
-        return out
+    def json(self, value: Any) -> Any:
+        """Every string of a JSON value redacted — object keys and values, array items, at any depth. A copy
+        where something changed, else the value itself: comparing the two is an identity check."""
+        if isinstance(value, str):
+            redacted = self.text(value)
+            return value if redacted is value or redacted == value else redacted
+        if isinstance(value, dict):
+            return self._object(value)
+        if isinstance(value, list):
+            return self._array(value)
+        return value
 
-    def _part(self, part: Any) -> Any:
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            return part
-        text = self.text(part["text"])
-        return part if text == part["text"] else {**part, "text": text}
+    def _array(self, value: list[Any]) -> list[Any]:
+        out: list[Any] | None = None
+        for position, item in enumerate(value):
+            new_item = self.json(item)
+            if out is None and new_item is not item:
+                out = value[:position]  # the unchanged ones before it
+            if out is not None:
+                out.append(new_item)
+        return value if out is None else out
 
-    def _tool_call(self, call: dict[str, Any]) -> dict[str, Any]:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if not isinstance(arguments, str):
-            return call
-        text = self.text(arguments)
-        return call if text == arguments else {**call, "function": {**function, "arguments": text}}
+    def _object(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        out: dict[Any, Any] | None = None
+        for position, (key, item) in enumerate(value.items()):
+            new_key = self._key(key) if isinstance(key, str) else key
+            new_item = self.json(item)
+            if out is None and (new_key is not key or new_item is not item):
+                out = dict(list(value.items())[:position])  # the unchanged ones before it
+            if out is not None:
+                out[new_key] = new_item
+        return value if out is None else out
+
+    def _key(self, key: str) -> str:
+        if key in self._clean_keys:
+            return key
+        redacted = self.text(key)
+        if redacted == key:
+            if len(self._clean_keys) < _CLEAN_KEYS_KEPT:
+                self._clean_keys[key] = None
+            return key
+        return redacted
+
+
+_CLEAN_KEYS_KEPT = 4096  # a client can send any keys: the memo stops growing here
+
+@dataclass(frozen=True)
+class RedactedExchange:
+    """A captured exchange with every text redacted, and which texts that the engine's tokens cover changed."""
+
+    exchange: CapturedExchange
+    prompt_changed: bool  # the request (what the prompt tokens were rendered from) changed
+    changed_choices: frozenset[int]  # positions in response["choices"] whose answer changed
+
+
+def redact_exchange(exchange: CapturedExchange, redactor: Redactor | None) -> RedactedExchange:
+    """Every string a turn row takes from ``exchange``, redacted: the whole request (messages, tools, params,
+    metadata, unknown fields: keys and values), each choice's answer, and the strings the client named
+    (model, trajectory, task, group). Token ids and logprobs are not text and are not walked; the ids the
+    gateway or the engine made (completion id, alias, engine model) are kept as they are."""
+    if redactor is None:
+        return RedactedExchange(exchange, False, frozenset())
+    request, response = exchange.request, exchange.response
+    redacted_request = redactor.json(request)
+    choices = response.get("choices") or []
+    redacted_choices = [_answer(choice, redactor) for choice in choices]
+    changed = frozenset(i for i, (new, old) in enumerate(zip(redacted_choices, choices, strict=True)) if new is not old)
+    def maybe(text: str | None) -> str | None:
+        return None if text is None else redactor.text(text)
+
+    out = copy.copy(exchange)  # not dataclasses.replace: it re-runs __init__ over every field (~20 us)
+    out.request, out.requested_model = redacted_request, redactor.text(exchange.requested_model)
+    out.response = {**response, "choices": redacted_choices} if changed else response
+    out.trajectory_id, out.task, out.group_id = maybe(exchange.trajectory_id), maybe(exchange.task), \
+        maybe(exchange.group_id)
+    return RedactedExchange(out, _prompt_changed(request, redacted_request), changed)
+
+
+def _prompt_changed(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether redaction changed a request field the prompt may be rendered from (all but ``_NOT_PROMPT``)."""
+    if after is before:
+        return False
+    if any(key not in after for key in before):  # a top-level key was itself redacted
+        return True
+    return any(after[key] is not item for key, item in before.items() if key not in _NOT_PROMPT)
+
+
+# Never rendered into the prompt: a secret redacted here keeps the prompt's token ids. Any other field might be
+# (vLLM passes unknown ones to the chat template), so redacting one drops them.
+_NOT_PROMPT = frozenset({"metadata", "user", "model"})
+
+
+def _answer(choice: Any, redactor: Redactor) -> Any:
+    """A choice with its answer (chat ``message``, legacy ``text``) redacted; its logprobs are not stored."""
+    if not isinstance(choice, dict):
+        return choice
+    key = "message" if "message" in choice else "text"
+    answer = choice.get(key)
+    redacted = redactor.json(answer)
+    return choice if redacted is answer else {**choice, key: redacted}
+
+
+class RedactingFilter(logging.Filter):
+    """A log handler's filter: the message (percent-decoded), its arguments and any traceback are redacted before
+    formatting."""
+
+    def __init__(self, redactor: Redactor) -> None:
+        super().__init__()
+        self.redactor = redactor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "%" in message:  # the access log's paths and query strings: an e-mail address is alice%40example.com
+            message = unquote(message)
+        record.msg, record.args = self.redactor.text(message), None
+        if record.exc_info:
+            record.exc_text = self.redactor.text(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None  # formatted above, redacted: a formatter must not format it again
+        if record.stack_info:
+            record.stack_info = self.redactor.text(record.stack_info)
+        return True

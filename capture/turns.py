@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from capture.canonical import ROOT, extend_hash, message_hash, prefix_hashes, task_key
-from capture.redaction import Redactor
+from capture.redaction import Redactor, redact_exchange
 
 log = logging.getLogger("flywheel.capture")
 
@@ -87,11 +87,11 @@ class PreparedTurn:
 
 
 def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list[PreparedTurn]:
-    """One :class:`PreparedTurn` per choice of the response."""
+    """One :class:`PreparedTurn` per choice of the response, from the exchange with every text redacted."""
+    redaction = redact_exchange(exchange, redactor)
+    exchange = redaction.exchange
     request = exchange.request
-    messages = _request_messages(exchange)
-    redacted_messages = [redactor.message(m) for m in messages] if redactor else messages
-    request_changed = redacted_messages != messages
+    redacted_messages = messages = _request_messages(exchange)  # redacted above
     hashes = prefix_hashes(redacted_messages)
     h_ctx = hashes[-1] if hashes else ROOT
     assistant_hashes = [hashes[i] for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
@@ -105,10 +105,9 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
     choices = exchange.response.get("choices") or []
     single_choice_tokens = int(usage.get("completion_tokens") or 0) if len(choices) == 1 else 0
     out: list[PreparedTurn] = []
-    for choice in choices:
-        message = _response_message(choice, exchange.endpoint)
-        stored_message = redactor.message(message) if redactor else message
-        redacted = request_changed or stored_message != message
+    for position, choice in enumerate(choices):
+        stored_message = _response_message(choice, exchange.endpoint)
+        redacted = redaction.prompt_changed or position in redaction.changed_choices
         completion_ids = choice.get("token_ids")
         index = int(choice.get("index", 0))
         forked = exchange.client_choices is not None and index >= exchange.client_choices
@@ -156,16 +155,16 @@ def _metadata_text(metadata: dict[str, Any] | None, key: str) -> str | None:
 
 
 def prepare_lines(lines: list[bytes], redactor: Redactor | None, outcome: Counter[str]) -> list[PreparedTurn]:
-    """The turns of the exchanges in ``lines`` (:meth:`CapturedExchange.to_line`); an unreadable line is
-    logged and counted as failed in ``outcome``."""
-    exchanges = []
+    """The turns of the exchanges in ``lines`` (:meth:`CapturedExchange.to_line`); an unreadable line, or an
+    exchange that cannot be prepared, is logged and counted as failed in ``outcome``: never the batch's end."""
+    out: list[PreparedTurn] = []
     for line in lines:
         try:
-            exchanges.append(CapturedExchange.from_line(line))
-        except (ValueError, TypeError):
-            log.exception("unreadable exchange (%d bytes)", len(line))
+            out.extend(prepare_turns(CapturedExchange.from_line(line), redactor))
+        except Exception:  # one odd exchange must cost itself only, never its batch or the writer task
+            log.exception("could not prepare a captured exchange (%d bytes)", len(line))
             outcome["failed"] += 1
-    return [turn for exchange in exchanges for turn in prepare_turns(exchange, redactor)]
+    return out
 
 
 def _request_messages(exchange: CapturedExchange) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """``python -m gateway`` is the ``flywheel`` command."""
 
-from gateway.cli import app
+from gateway.cli import main
 
-app()
+main()

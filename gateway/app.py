@@ -21,8 +21,9 @@ from starlette.responses import Response
 
 from capture.store import printable_url
 from gateway.api import admin, completions, loop_admin, training
-from gateway.api.common import read_body
+from gateway.api.common import json_response, read_body
 from gateway.api.error_handlers import install_error_handlers
+from gateway.api.openapi import openapi_document
 from gateway.auth import Authenticator
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.discovery import announce_when_listening, local_url, withdraw
@@ -115,7 +116,7 @@ def build_app(settings: Settings) -> FastAPI:
             for engine in state.engines.values():
                 await engine.aclose()
 
-    app = FastAPI(title="Flywheel gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Flywheel gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(completions.router)
     app.include_router(admin.router)
     app.include_router(training.router)
@@ -127,8 +128,17 @@ def build_app(settings: Settings) -> FastAPI:
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     install_dashboard(app, settings)  # /flywheel/ui (docs/dashboard.md)
+    app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
     install_error_handlers(app)
     return app
+
+
+async def openapi_json(request: Request) -> Response:
+    """The OpenAPI document of every route the gateway serves; behind the admin key when one is configured."""
+    state = GatewayState.of(request)
+    if state.settings.auth.admin_key is not None:
+        state.auth.admin(request)
+    return json_response(openapi_document(request.app, STORE_ROUTERS))
 
 
 async def forward_to_store(request: Request) -> Response:

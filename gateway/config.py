@@ -6,16 +6,28 @@ file, the embedded defaults below. With nothing given, the gateway serves the ti
 model built into ``<data_dir>/models/tiny`` through the local engine, and routes every
 model name to the alias ``flywheel``. ``deploy/flywheel.example.toml`` is the annotated
 reference.
+
+Every value is validated when it is read, and every ``FLYWHEEL_*`` variable must name a
+setting (:func:`unknown_variables`): a misspelled one is an error naming the close match,
+never silently ignored. Environment variables change or add entries of the ``[engines]``
+and ``[aliases]`` tables (the file's, else the embedded defaults); they never replace a
+table. What needs the file system or the network (model directories, a writable data
+directory, the upstream's model name) is checked by ``flywheel serve`` before it starts
+(``gateway/preflight.py``).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Container
+import json
+import os
+import re
+from collections.abc import Container, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, SecretStr, StringConstraints, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -23,32 +35,64 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.config_env import unknown_variables
 from judge.rewards import RewardPolicy
 from judge.ruler import JudgeConfig
 
 TINY_MODEL = "tiny"  # the model name that means "the tiny model built offline into the data dir"
+MAX_VERSION = 2**31 - 1  # adapter version numbers are stored as 32-bit integers
+
+
+
+def _non_empty_secret(key: SecretStr) -> SecretStr:
+    if not key.get_secret_value().strip():
+        raise ValueError("a key must not be empty")
+    return key
+
+
+# Alias names become URL path segments (/aliases/{alias}/...) and directories (<data_dir>/adapters/<alias>).
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Secret = Annotated[SecretStr, AfterValidator(_non_empty_secret)]
+# An adapter version wherever one is taken (the API, the CLI): 0 is the base model; JSON true or 1.5 is not one.
+AdapterVersion = Annotated[int, Field(ge=0, le=MAX_VERSION, strict=True)]
+
+
+def _json_or_text(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {url!r}")
+    return url.rstrip("/")
 
 
 class LocalEngineConfig(BaseModel):
     """In-process transformers + peft engine (development, tests, small deployments)."""
 
     kind: Literal["local"] = "local"
-    model: str = TINY_MODEL  # "tiny", a local model directory, or an HF id present in the HF cache
-    device: str = "auto"  # "auto" picks cuda when available, else cpu
-    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
-    default_max_tokens: int = 256  # used when a request sets neither max_tokens nor max_completion_tokens
-    max_batch_n: int = 16  # largest n one request may ask for
+    model: str = Field(default=TINY_MODEL, min_length=1)  # "tiny", a model directory, or an HF id in the HF cache
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")  # "auto": cuda when available
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
+    default_max_tokens: int = Field(default=256, ge=1)  # a request without max_tokens or max_completion_tokens
+    max_batch_n: int = Field(default=16, ge=1)  # largest n one request may ask for
 
 
 class OpenAIEngineConfig(BaseModel):
     """Any OpenAI-compatible upstream (vLLM with --enable-lora in production)."""
 
     kind: Literal["openai"] = "openai"
-    base_url: str  # e.g. http://127.0.0.1:8001/v1
-    api_key: SecretStr | None = None  # sent upstream as a Bearer token; never logged
-    timeout_s: float = 600.0  # read timeout: longest silence tolerated between bytes
-    connect_timeout_s: float = 5.0
-    max_connections: int = 512
+    base_url: Annotated[str, AfterValidator(_http_url)]  # e.g. http://127.0.0.1:8001/v1
+    api_key: Secret | None = None  # sent upstream as a Bearer token; never logged
+    timeout_s: float = Field(default=600.0, gt=0)  # read timeout: longest silence tolerated between bytes
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=512, ge=1)
     request_token_ids: bool = True  # ask vLLM for return_token_ids + logprobs (stripped for clients)
 
 
@@ -59,7 +103,9 @@ class AliasConfig(BaseModel):
     """A served model name: which engine, which base model, which adapter."""
 
     engine: str = "local"  # a key of [engines]
-    base_model: str | None = None  # the model name the engine serves; defaults to the engine's model
+    # The model name the engine serves. Default: the local engine's model; for an upstream engine, the one
+    # model its /v1/models lists (asked by `flywheel serve` at start-up; several or none is an error).
+    base_model: str | None = Field(default=None, min_length=1)
     adapter: str | None = None  # PEFT adapter directory served from start-up (else its latest promoted version)
     train_model: str | None = None  # base weights to train (directory or cached HF id); default: the local model
 
@@ -85,8 +131,18 @@ class RoutingConfig(BaseModel):
 class AuthConfig(BaseModel):
     """Client keys (Bearer) and the admin key. Empty api_keys means no client auth."""
 
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    admin_key: SecretStr | None = None  # unset: admin API answers loopback clients only
+    api_keys: list[Secret] = Field(default_factory=list)
+    admin_key: Secret | None = None  # unset: admin API answers loopback clients only
+    # `flywheel serve` refuses a host other than loopback with neither client keys nor an admin key, unless
+    # this says the open server is meant (or --allow-unauthenticated): docs/security.md.
+    allow_unauthenticated: bool = False
+
+    @model_validator(mode="after")
+    def _admin_key_is_not_a_client_key(self) -> AuthConfig:
+        admin = self.admin_key.get_secret_value() if self.admin_key else None
+        if admin is not None and any(key.get_secret_value() == admin for key in self.api_keys):
+            raise ValueError("auth.admin_key is also a client key: every client would be an admin")
+        return self
 
 
 class RedactionConfig(BaseModel):
@@ -95,28 +151,44 @@ class RedactionConfig(BaseModel):
     builtin: bool = True  # e-mail addresses, phone numbers, card-like numbers, API-key-like tokens
     patterns: list[str] = Field(default_factory=list)  # extra regexes; matches become [REDACTED:CUSTOM_i]
 
+    @field_validator("patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for index, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"patterns[{index}] is not a valid regular expression ({exc}): {pattern!r}") from None
+            if re.fullmatch(pattern, ""):
+                raise ValueError(f"patterns[{index}] matches the empty string, so it would match everywhere: "
+                                 f"{pattern!r}")
+        return patterns
+
 
 class CaptureConfig(BaseModel):
     """Recording traffic as trajectories (architecture §4, §8)."""
 
     enabled: bool = True  # default for requests without an X-Flywheel-Capture header
     sample_rate: float = Field(default=1.0, ge=0, le=1)  # fraction of (enabled) requests captured
-    database: str | None = None  # unset: <data_dir>/flywheel.duckdb; or a SQLAlchemy URL (postgresql://...)
+    database: str | None = Field(default=None, min_length=1)  # unset: <data_dir>/flywheel.duckdb; or a URL
     spool_path: Path | None = None  # unset: <data_dir>/spool/turns.jsonl
-    idle_close_s: float = 600.0  # a trajectory with no new turn for this long is closed
-    queue_size: int = 10_000  # turns waiting for the writer; beyond it they go to the spool
-    batch_size: int = 1024  # turns per store transaction
+    idle_close_s: float = Field(default=600.0, gt=0)  # a trajectory with no new turn for this long is closed
+    queue_size: int = Field(default=10_000, ge=1)  # turns waiting for the writer; beyond it they go to the spool
+    batch_size: int = Field(default=1024, ge=1)  # turns per store transaction
     # Longest wait to fill a batch: what a crash of the store process can lose (a gateway crash loses
     # ~nothing: docs/capture.md). A reader that needs the latest turns cuts the wait short.
-    batch_wait_s: float = 1.0
+    batch_wait_s: float = Field(default=1.0, gt=0)
     # How often the gateway hands what it answered to the store process (one socket write): what a
     # crash of the gateway can lose. Each write wakes the store process; 50 ms instead of 10 ms took
     # its event loop's CPU per turn from ~25 to ~11 us (measured).
     handoff_s: float = Field(default=0.05, gt=0, le=1)
-    retry_s: float = 2.0  # how often the spool is retried while the store refuses writes
+    retry_s: float = Field(default=2.0, gt=0)  # how often the spool is retried while the store refuses writes
     # The store process's niceness: on a busy machine the request path gets the cores first and capture
     # catches up in the gaps (the queue and the spool absorb the backlog). 0 = the gateway's priority.
     store_nice: int = Field(default=10, ge=0, le=19)
+    # DuckDB's memory limit in the store process: its block cache, indexes, query memory. DuckDB's own default is
+    # 80% of the machine's RAM, a database server's share, not a sidecar's (docs/benchmarks.md, "Soak").
+    store_memory_mb: int = Field(default=512, ge=64)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
     # Several replicas on one PostgreSQL store: a turn whose last answer is not stored yet waits this long for
     # it (the replica that gave it may still be writing it) before it is linked without it. Unset: 5 s on a
@@ -129,11 +201,17 @@ class GroupsConfig(BaseModel):
 
     min_size: int = Field(default=2, ge=2)  # smaller groups wait for members (or are dropped: forks)
     max_size: int = Field(default=8, ge=2)  # larger ones are cut, oldest first; never padded
-    task_window_s: float = 3600.0  # same-task trajectories must start within this span
+    task_window_s: float = Field(default=3600.0, gt=0)  # same-task trajectories must start within this span
     cohorts: bool = False  # also group by system prompt + tools alone (weaker signal)
     fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
     form_every_s: float = Field(default=60.0, gt=0)  # how often closed trajectories are grouped
+
+    @model_validator(mode="after")
+    def _sizes_in_order(self) -> GroupsConfig:
+        if self.min_size > self.max_size:
+            raise ValueError(f"groups.min_size ({self.min_size}) is larger than groups.max_size ({self.max_size})")
+        return self
 
 
 class TrainConfig(BaseModel):
@@ -146,6 +224,15 @@ class TrainConfig(BaseModel):
     # through the admin API; the loop never trains in a child process of its own (the gateway needs no torch),
     # gates what the workers report, and fails a round no worker reported within loop.train_timeout_s
     workers: bool = False
+    # Which scored groups a round takes when more wait than max_groups: the newest were sampled by the policy
+    # closest to the one being trained (GRPO's ratio near 1); "oldest" drains the backlog in arrival order.
+    batch_order: Literal["newest", "oldest"] = "newest"
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _typed_values(cls, args: Any) -> Any:
+        # An environment variable (FLYWHEEL_TRAIN__ARGS__LEARNING_RATE=1e-5) arrives as text: read it as JSON.
+        return {key: _json_or_text(value) for key, value in args.items()} if isinstance(args, dict) else args
 
 
 class GateConfig(BaseModel):
@@ -172,6 +259,12 @@ class CanaryConfig(BaseModel):
     on_max: Literal["reject", "promote"] = "reject"  # neither better nor worse was shown by max_pairs
     reward_min: float = 0.0  # rewards are clipped to [reward_min, reward_max] for the test (it needs bounds)
     reward_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> CanaryConfig:
+        if self.reward_min >= self.reward_max:
+            raise ValueError(f"loop.canary.reward_min ({self.reward_min}) must be below reward_max ({self.reward_max})")
+        return self
 
 
 class MonitorConfig(BaseModel):
@@ -225,6 +318,18 @@ class TrackingConfig(BaseModel):
     queue_size: int = Field(default=1000, ge=1)  # events waiting for the tracking thread; beyond it: dropped
 
 
+# The embedded [engines] and [aliases] tables: what serves when the file names none (see DefaultTables).
+DEFAULT_ENGINES: dict[str, dict[str, Any]] = {"local": {"kind": "local"}}
+DEFAULT_ALIASES: dict[str, dict[str, Any]] = {"flywheel": {"engine": "local"}}
+ENV_PREFIX = "FLYWHEEL_"
+# Read by the CLI, not settings: the admin key a command sends (gateway/cli/common.py), which `flywheel serve`
+# takes as its admin key when none is configured (gateway/preflight.py); the client key `flywheel autorl`'s
+# agent sends (gateway/cli/autorl.py) and the SDK's examples read.
+CLI_ADMIN_KEY_VARIABLE = "FLYWHEEL_ADMIN_KEY"
+CLI_API_KEY_VARIABLE = "FLYWHEEL_API_KEY"
+CLI_VARIABLES = frozenset({CLI_ADMIN_KEY_VARIABLE, CLI_API_KEY_VARIABLE})
+
+
 class ReplicasConfig(BaseModel):
     """Several gateway replicas on one PostgreSQL store (docs/deploy.md): one runs the loop, every one follows it."""
 
@@ -236,26 +341,28 @@ class ReplicasConfig(BaseModel):
 
 
 def _default_engines() -> dict[str, EngineConfig]:
-    return {"local": LocalEngineConfig()}
+    return {name: LocalEngineConfig.model_validate(cfg) for name, cfg in DEFAULT_ENGINES.items()}
 
 
 def _default_aliases() -> dict[str, AliasConfig]:
-    return {"flywheel": AliasConfig(engine="local")}
+    return {name: AliasConfig.model_validate(cfg) for name, cfg in DEFAULT_ALIASES.items()}
 
 
 class Settings(BaseSettings):
     """Everything the gateway reads at start-up."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__",
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
                                       extra="forbid")
 
     data_dir: Path = Path("flywheel-data")  # everything the gateway writes lives here
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str = "info"
-    max_body_bytes: int = 8 * 1024 * 1024  # larger requests get 413
-    engines: dict[str, LocalEngineConfig | OpenAIEngineConfig] = Field(default_factory=_default_engines)
-    aliases: dict[str, AliasConfig] = Field(default_factory=_default_aliases)
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=1, le=65535)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # larger requests get 413
+    # Directories besides <data_dir>/adapters that the admin API may load adapters from (docs/security.md).
+    adapter_dirs: list[Path] = Field(default_factory=list)
+    engines: dict[Name, LocalEngineConfig | OpenAIEngineConfig] = Field(default_factory=_default_engines)
+    aliases: dict[Name, AliasConfig] = Field(default_factory=_default_aliases)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
@@ -275,6 +382,26 @@ class Settings(BaseSettings):
     @property
     def spool_path(self) -> Path:
         return self.capture.spool_path or self.data_dir / "spool" / "turns.jsonl"
+
+    @property
+    def adapters_dir(self) -> Path:
+        """Where the gateway's own adapters live (a round writes ``<alias>/<version>`` here)."""
+        return self.data_dir / "adapters"
+
+    def allowed_adapter_path(self, path: str) -> Path:
+        """``path`` resolved (symlinks and ``..``), when it lies inside the adapters directory or an
+        ``adapter_dirs`` entry; ``ValueError`` saying so otherwise."""
+        resolved = Path(path).expanduser().resolve()
+        roots = [root.expanduser().resolve() for root in (self.adapters_dir, *self.adapter_dirs)]
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise ValueError(f"{resolved} is outside the directories adapters are loaded from "
+                             f"({', '.join(map(str, roots))}; more through the adapter_dirs setting)")
+        return resolved
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("engines", mode="before")
     @classmethod
@@ -308,11 +435,47 @@ class Settings(BaseSettings):
                                    dotenv_settings: PydanticBaseSettingsSource,
                                    file_secret_settings: PydanticBaseSettingsSource,
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls), DefaultTables(settings_cls))
+
+
+class DefaultTables(PydanticBaseSettingsSource):
+    """The embedded ``[engines]``/``[aliases]`` tables, under the environment, where file and arguments have none.
+
+    So ``FLYWHEEL_ENGINES__UP__BASE_URL=...`` adds an engine to the defaults instead of replacing the
+    table. The default ``local`` engine is left out when no alias uses it and nothing named it: it
+    would load a model for nobody.
+    """
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ builds the whole contribution
+
+    def __call__(self) -> dict[str, Any]:
+        given = {**self.settings_sources_data.get("TomlConfigSettingsSource", {}),
+                 **self.settings_sources_data.get("InitSettingsSource", {})}
+        state = self.current_state
+        out: dict[str, Any] = {}
+        if "aliases" not in given:
+            out["aliases"] = DEFAULT_ALIASES
+        if "engines" not in given:
+            aliases = {**out.get("aliases", {}), **(state.get("aliases") or {})}
+            used = {cfg.get("engine", "local") if isinstance(cfg, Mapping) else "local" for cfg in aliases.values()}
+            named = state.get("engines") or {}
+            out["engines"] = {name: cfg for name, cfg in DEFAULT_ENGINES.items() if name in used or name in named}
+        return out
+
+
+class SettingsError(ValueError):
+    """The configuration cannot be used; the message says what to change (one line)."""
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Settings from ``config_file`` (TOML) + environment + ``overrides``."""
+    """Settings from ``config_file`` (TOML) + environment + ``overrides``.
+
+    A ``FLYWHEEL_*`` variable that names no setting is a :class:`SettingsError` naming the close match.
+    """
+    unknown = unknown_variables(Settings, ENV_PREFIX, os.environ, also_known=CLI_VARIABLES)
+    if unknown:
+        raise SettingsError("; ".join(unknown))
     if config_file is None:
         return Settings(**overrides)
     if not config_file.is_file():

@@ -150,11 +150,11 @@ class JudgeConfig(BaseModel):
     model: str = "openai/o3"  # any litellm model string; the gateway's own alias via hosted_vllm/ + api_base
     api_base: str | None = None  # OpenAI-style base URL including /v1 (local vLLM, the gateway itself)
     api_key: SecretStr | None = None  # None: litellm reads the provider's usual env var
-    timeout_s: float = 120.0  # per call; reasoning judges on big groups are slow
-    max_retries: int = 3  # retries after the first call, on timeouts, 429/5xx, connection errors, bad answers
-    backoff_s: float = 1.0  # first retry delay; doubles each retry (with jitter), capped at backoff_max_s
-    backoff_max_s: float = 30.0
-    max_concurrency: int = 4  # judge calls in flight at once across the scoring job
+    timeout_s: float = Field(default=120.0, gt=0)  # per call; reasoning judges on big groups are slow
+    max_retries: int = Field(default=3, ge=0)  # retries after the first call: timeouts, 429/5xx, bad answers...
+    backoff_s: float = Field(default=1.0, ge=0)  # first retry delay; doubles each retry (jitter), up to backoff_max_s
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    max_concurrency: int = Field(default=4, ge=1)  # judge calls in flight at once across the scoring job
     swallow_exceptions: bool = True  # a failed group stays unscored instead of stopping the job
     extra_litellm_params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reasoning_effort": "low"}
     rubrics: RubricConfig = Field(default_factory=RubricConfig)

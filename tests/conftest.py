@@ -102,6 +102,7 @@ def local_gateway(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     """Local engine on ``agent_model``: keys on, glob routes, no default route, a small body limit."""
     gateway = GatewayProcess(tmp_path_factory.mktemp("gw"), f"""
 max_body_bytes = {MAX_BODY}
+adapter_dirs = ["{tmp_path_factory.getbasetemp()}"]  # the session's adapters are built in temporary directories
 [engines.local]
 model = "{agent_model}"
 default_max_tokens = 16

@@ -19,14 +19,13 @@ import yaml
 from pydantic import BaseModel
 
 from gateway.cli import app
-from gateway.config import Settings, load_settings
+from gateway.config import CLI_VARIABLES, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 CLI = typer.main.get_command(app)
-# FLYWHEEL_* variables the code reads itself (not config keys), e.g. the CLI's FLYWHEEL_ADMIN_KEY.
-READ_BY_CODE = set(re.findall(r"os\.environ\.get\(\"(FLYWHEEL_[A-Z_]+)\"",
-                              "".join(p.read_text() for p in (ROOT / "gateway").rglob("*.py"))))
+# FLYWHEEL_* variables the CLI reads itself (not config keys), e.g. FLYWHEEL_ADMIN_KEY.
+READ_BY_CODE = CLI_VARIABLES
 SHELL_ENDS = {";", "&&", "||", "|", "&", ">", ">>", "<", "(", ")", "done", "fi", "then", "do"}
 
 

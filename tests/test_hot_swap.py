@@ -34,6 +34,7 @@ def test_swaps_under_streaming_load_fail_nothing_and_mix_nothing(agent_model: Pa
 
     other = memorize(agent_model, tmp_path / "other", [(ADAPTER_QUESTION, OTHER_ANSWER)], lora=True)
     gateway = GatewayProcess(tmp_path, f"""
+adapter_dirs = ["{adapter_dir.parent}", "{other.parent}"]  # where the test's adapters were built
 [engines.local]
 model = "{agent_model}"
 [aliases.agent]

@@ -33,6 +33,7 @@ def vllm() -> Iterator[VllmStandIn]:
 
 def replica(tmp_path: Path, vllm: VllmStandIn, database: str, name: str) -> GatewayProcess:
     return GatewayProcess(tmp_path, f"""
+adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
 [engines.vllm]
 base_url = "{vllm.base_url}"
 [aliases.agent]

@@ -45,6 +45,7 @@ def fake_adapter(root: Path, name: str) -> str:
 def start(tmp_path: Path, vllm: VllmStandIn, loop: str = "[loop]\nenabled = false\n",
           name: str = "gw") -> GatewayProcess:
     return GatewayProcess(tmp_path, f"""
+adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
 [engines.vllm]
 base_url = "{vllm.base_url}"
 [aliases.agent]

@@ -1,17 +1,18 @@
 """The admin API (``/flywheel/v1/...``): inspect aliases and hot-swap their adapters.
 
-Every route needs the admin key (or, with none configured, a loopback client).
+Every route needs the admin key (or, with none configured, a loopback client). An adapter is
+loaded only from the adapters directory or an ``adapter_dirs`` entry (docs/security.md).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from gateway.api.common import json_response, read_body
+from gateway.api.openapi import ERRORS, json_body
+from gateway.config import AdapterVersion
 from gateway.errors import BadRequest
 from gateway.loop.promotion import promote_version, register_adapter
 from gateway.protocol import parse_json_object, validate_request
@@ -23,7 +24,19 @@ router = APIRouter(prefix="/flywheel/v1")
 
 class AdapterSwitch(BaseModel):
     path: str | None = None  # a PEFT adapter directory: registered as a new version of the alias, then served
-    version: int | None = Field(default=None, ge=0)  # or a version the store has (0: the base model)
+    version: AdapterVersion | None = None  # or a version the store has (0: the base model)
+
+
+def adapter_directory(state: GatewayState, path: str) -> str:
+    """``path`` resolved, when it is a PEFT adapter inside the directories adapters may come from; else a 400."""
+    try:
+        resolved = state.settings.allowed_adapter_path(path)
+    except ValueError as exc:
+        raise BadRequest(f"Invalid value for 'path': {exc}", param="path") from None
+    if not (resolved / "adapter_config.json").is_file():
+        raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {path} (adapter_config.json missing)",
+                         param="path")
+    return str(resolved)
 
 
 def alias_info(served: ServedModel) -> dict[str, object]:
@@ -32,14 +45,14 @@ def alias_info(served: ServedModel) -> dict[str, object]:
             "in_flight": served.in_flight}
 
 
-@router.get("/aliases")
+@router.get("/aliases", responses=ERRORS)
 async def list_aliases(request: Request) -> Response:
     state = GatewayState.of(request)
     state.auth.admin(request)
     return json_response({"data": [alias_info(s) for s in state.router.all()]})
 
 
-@router.put("/aliases/{alias}/adapter")
+@router.put("/aliases/{alias}/adapter", openapi_extra=json_body(AdapterSwitch), responses=ERRORS)
 async def switch_alias_adapter(alias: str, request: Request) -> Response:
     """Serve an adapter directory (registered as the next version) or a stored version (0: the base model).
 
@@ -53,10 +66,8 @@ async def switch_alias_adapter(alias: str, request: Request) -> Response:
     switch = AdapterSwitch.model_validate(body)
     state.router.get(alias)
     if switch.path is not None:
-        if not (Path(switch.path) / "adapter_config.json").is_file():
-            raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {switch.path} "
-                             "(adapter_config.json missing)", param="path")
-        version = (await register_adapter(state, alias, switch.path, source="manual"))["version"]
+        path = adapter_directory(state, switch.path)
+        version = (await register_adapter(state, alias, path, source="manual"))["version"]
     elif switch.version is not None:
         version = switch.version
     elif "path" in body:  # {"path": null}: back to the base model

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from capture.assembler import StreamAssembler
 from capture.turns import CapturedExchange
 from gateway.api.common import read_body
+from gateway.api.openapi import ERRORS, json_body
 from gateway.engines.base import Body, Chunk
 from gateway.errors import OpenAIError, UpstreamError
 from gateway.loop.canary import CanarySplit
@@ -110,17 +111,17 @@ def _shape_choice(choice: Body, asks: ClientAsks) -> Body:
     return out
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=ERRORS)
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, Endpoint.CHAT)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=ERRORS)
 async def create_completion(request: Request) -> Response:
     return await _generate(request, Endpoint.COMPLETIONS)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=ERRORS)
 async def list_models(request: Request) -> Response:
     state = GatewayState.of(request)
     state.auth.client(request)
@@ -128,7 +129,7 @@ async def list_models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON_MEDIA)
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> Response:
     state = GatewayState.of(request)
     state.auth.client(request)

@@ -13,7 +13,7 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from sqlmodel import col, select
 from starlette.responses import Response
 
@@ -21,6 +21,7 @@ from capture.models import Feedback, Trajectory, Turn
 from capture.store import Store
 from capture.turns import new_id
 from gateway.api.common import json_response
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.errors import BadRequest, NotFound
 from gateway.loop import store_ops
 from gateway.protocol import parse_json_object, validate_request
@@ -31,16 +32,22 @@ router = APIRouter(prefix="/flywheel/v1")
 
 class FeedbackRequest(BaseModel):
     trajectory_id: str | None = None
-    completion_id: str | None = None
+    completion_id: str | None = Field(default=None, validate_default=True)  # checked even when absent
     reward: float | None = None
     label: str | None = None
     comment: str | None = Field(default=None, max_length=10_000)
 
-    @model_validator(mode="after")
-    def _names_a_trajectory(self) -> FeedbackRequest:
-        if not (self.trajectory_id or self.completion_id):
+    @field_validator("completion_id")
+    @classmethod
+    def _names_a_trajectory(cls, completion_id: str | None, info: ValidationInfo) -> str | None:
+        # A field's validator (not the model's), so the 400 names a parameter.
+        if not (completion_id or info.data.get("trajectory_id")):
             raise ValueError("give trajectory_id or completion_id")
-        return self
+        return completion_id
+
+
+class ScoreQuery(BaseModel):
+    alias: str | None = Field(default=None, description="only this alias's groups")
 
 
 def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
@@ -67,7 +74,7 @@ def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest,
     return feedback_id
 
 
-@router.post("/feedback")
+@router.post("/feedback", openapi_extra=json_body(FeedbackRequest), responses=ERRORS)
 async def post_feedback(request: Request) -> Response:
     state = StoreState.of(request)
     key_id = state.auth.client(request)
@@ -90,7 +97,7 @@ async def post_feedback(request: Request) -> Response:
                                   "reward": reward}), media_type="application/json")
 
 
-@router.post("/jobs/groups")
+@router.post("/jobs/groups", responses=ERRORS)
 async def form_groups_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)
@@ -99,7 +106,7 @@ async def form_groups_now(request: Request) -> Response:
     return json_response(formed)
 
 
-@router.post("/jobs/score")
+@router.post("/jobs/score", openapi_extra=query(ScoreQuery), responses=ERRORS)
 async def score_now(request: Request) -> Response:
     state = StoreState.of(request)
     state.auth.admin(request)

@@ -91,7 +91,7 @@ def leaf_position(trajectory: UploadedTrajectory, index: int) -> int:
 def leaf_hash(messages: list[dict[str, Any]], leaf: int, redactor: Redactor | None) -> str:
     """The ``h_out`` a captured turn answering with ``messages[leaf]`` has (hashed as stored: redacted)."""
     kept = messages[: leaf + 1]
-    return prefix_hashes([redactor.message(m) for m in kept] if redactor else kept)[-1]
+    return prefix_hashes([redactor.json(m) for m in kept] if redactor else kept)[-1]
 
 
 def find_captured(session: Session, alias: str, trajectory_id: str | None, h_out: str, taken: set[str],

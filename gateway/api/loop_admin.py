@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from gateway.api.admin import alias_info
+from gateway.api.admin import adapter_directory, alias_info
 from gateway.api.common import json_response, read_body
+from gateway.api.openapi import ERRORS, json_body, query
+from gateway.config import AdapterVersion
 from gateway.errors import BadRequest, OpenAIError
 from gateway.loop.promotion import promote_version, register_adapter
 from gateway.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
@@ -53,7 +54,7 @@ async def _body(request: Request, model: type[BaseModel], state: GatewayState) -
     return body
 
 
-@router.get("/status")
+@router.get("/status", responses=ERRORS)
 async def status(request: Request) -> Response:
     state = await _admin(request)
     return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases],
@@ -82,7 +83,7 @@ async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
     }
 
 
-@router.get("/aliases/{alias}/versions")
+@router.get("/aliases/{alias}/versions", responses=ERRORS)
 async def list_versions(alias: str, request: Request) -> Response:
     state = await _admin(request)
     state.router.get(alias)
@@ -90,7 +91,11 @@ async def list_versions(alias: str, request: Request) -> Response:
                           "data": await state.store_link.op("versions", alias=alias)})
 
 
-@router.get("/aliases/{alias}/rewards")
+class RewardsQuery(BaseModel):
+    since: datetime | None = Field(default=None, description="an ISO 8601 time: conversations closed after it")
+
+
+@router.get("/aliases/{alias}/rewards", openapi_extra=query(RewardsQuery), responses=ERRORS)
 async def list_rewards(alias: str, request: Request) -> Response:
     """Every finished, rewarded conversation of the alias in the order it closed: version, reward, time."""
     state = await _admin(request)
@@ -105,10 +110,10 @@ async def list_rewards(alias: str, request: Request) -> Response:
 
 
 class PromoteRequest(BaseModel):
-    version: int = Field(ge=0)
+    version: AdapterVersion
 
 
-@router.post("/aliases/{alias}/promote")
+@router.post("/aliases/{alias}/promote", openapi_extra=json_body(PromoteRequest), responses=ERRORS)
 async def promote(alias: str, request: Request) -> Response:
     """Serve a stored version now (by hand: no gate). A canary running for the alias is stopped first."""
     state = await _admin(request)
@@ -125,10 +130,11 @@ async def promote_by_hand(state: GatewayState, alias: str, version: int, reason:
 
 
 class RollbackRequest(BaseModel):
-    version: int | None = Field(default=None, ge=0)
+    version: AdapterVersion | None = None
 
 
-@router.post("/aliases/{alias}/rollback")
+@router.post("/aliases/{alias}/rollback", openapi_extra=json_body(RollbackRequest, required=False),
+             responses=ERRORS)
 async def rollback(alias: str, request: Request) -> Response:
     """Return to an earlier version (default: the one served before the current one)."""
     state = await _admin(request)
@@ -159,19 +165,17 @@ class CandidateRequest(BaseModel):
     path: str  # a PEFT adapter directory trained elsewhere
 
 
-@router.post("/aliases/{alias}/candidates")
+@router.post("/aliases/{alias}/candidates", openapi_extra=json_body(CandidateRequest), responses=ERRORS)
 async def add_candidate(alias: str, request: Request) -> Response:
     """Register an adapter trained elsewhere as the next version, a candidate: the loop's gate decides on it."""
     state = await _admin(request)
     body = await _body(request, CandidateRequest, state)
     state.router.get(alias)
-    if not (Path(body["path"]) / "adapter_config.json").is_file():
-        raise BadRequest(f"Invalid value for 'path': no PEFT adapter at {body['path']} (adapter_config.json missing)",
-                         param="path")
+    path = adapter_directory(state, body["path"])
     flight = (await state.store_link.op("serving"))[alias]["in_flight"]
     if flight is not None:
         raise Conflict(f"{alias} already has version {flight['version']} in flight ({flight['status']})")
-    return json_response(await register_adapter(state, alias, body["path"], source="manual"))
+    return json_response(await register_adapter(state, alias, path, source="manual"))
 
 
 class TrainRequest(BaseModel):
@@ -180,7 +184,7 @@ class TrainRequest(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs overrides for this round
 
 
-@router.post("/aliases/{alias}/train")
+@router.post("/aliases/{alias}/train", openapi_extra=json_body(TrainRequest, required=False), responses=ERRORS)
 async def train_now(alias: str, request: Request) -> Response:
     """Run one round now in a child process (the same path as the loop and ``flywheel train``); waits for it."""
     state = await _admin(request)
@@ -211,7 +215,7 @@ class JobRequest(BaseModel):
     alias: str | None = None
 
 
-@router.post("/loop/run")
+@router.post("/loop/run", openapi_extra=json_body(JobRequest), responses=ERRORS)
 async def run_job(request: Request) -> Response:
     """Run one loop job now and answer with its outcome (the same run the scheduler would record)."""
     state = await _admin(request)

@@ -15,15 +15,17 @@ with no client keys configured every completion is visible. ``POST /v1/chat/comp
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from capture import queries
 from capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
 from capture.store import Store
 from gateway.api.common import caught_up_store, json_response, not_found, query_error, read_body, run_query
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.errors import BadRequest
 from gateway.protocol import parse_json_object
 from gateway.store.state import StoreState
@@ -36,6 +38,21 @@ _MAX_METADATA_KEYS, _MAX_KEY_CHARS, _MAX_VALUE_CHARS = 16, 64, 512  # OpenAI's m
 
 
 
+class MessageListQuery(BaseModel):
+    after: str | None = Field(default=None, description="the last id of the previous page")
+    limit: int = Field(default=20, ge=1, le=_MAX_LIMIT)
+    order: Literal["asc", "desc"] = "asc"
+
+
+class CompletionListQuery(MessageListQuery):
+    model: str | None = Field(default=None, description="the model name the client sent, or the alias")
+    metadata: dict[str, str] = Field(default_factory=dict, description="metadata[KEY]=VALUE, every pair must match")
+
+
+class MetadataUpdate(BaseModel):
+    metadata: dict[str, str] | None = Field(max_length=_MAX_METADATA_KEYS, description="null clears")
+
+
 async def _caller(request: Request) -> tuple[Store, Owner]:
     """The store, and whose completions the caller may see (every key's when no client keys are set)."""
     store, key_id = await caught_up_store(request, admin=False)
@@ -43,7 +60,7 @@ async def _caller(request: Request) -> tuple[Store, Owner]:
 
 
 
-@router.get("/v1/chat/completions")
+@router.get("/v1/chat/completions", openapi_extra=query(CompletionListQuery), responses=ERRORS)
 async def list_chat_completions(request: Request) -> Response:
     store, owner = await _caller(request)
     params = request.query_params
@@ -60,7 +77,7 @@ async def list_chat_completions(request: Request) -> Response:
     return json_response(page.to_json())
 
 
-@router.get("/v1/chat/completions/{completion_id}")
+@router.get("/v1/chat/completions/{completion_id}", responses=ERRORS)
 async def retrieve_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
     found = await run_query(queries.get_completion, store, completion_id, owner)
@@ -69,7 +86,7 @@ async def retrieve_chat_completion(completion_id: str, request: Request) -> Resp
     return json_response(found)
 
 
-@router.post("/v1/chat/completions/{completion_id}")
+@router.post("/v1/chat/completions/{completion_id}", openapi_extra=json_body(MetadataUpdate), responses=ERRORS)
 async def update_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
     body = parse_json_object(await read_body(request, StoreState.of(request).settings.max_body_bytes))
@@ -83,7 +100,7 @@ async def update_chat_completion(completion_id: str, request: Request) -> Respon
     return json_response(updated)
 
 
-@router.delete("/v1/chat/completions/{completion_id}")
+@router.delete("/v1/chat/completions/{completion_id}", responses=ERRORS)
 async def delete_chat_completion(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
     if not await run_query(queries.delete_completion, store, completion_id, owner):
@@ -91,7 +108,8 @@ async def delete_chat_completion(completion_id: str, request: Request) -> Respon
     return json_response({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
 
 
-@router.get("/v1/chat/completions/{completion_id}/messages")
+@router.get("/v1/chat/completions/{completion_id}/messages", openapi_extra=query(MessageListQuery),
+            responses=ERRORS)
 async def list_chat_completion_messages(completion_id: str, request: Request) -> Response:
     store, owner = await _caller(request)
     params = request.query_params

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from gateway.api.admin import alias_info
 from gateway.api.common import json_response, read_body
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.errors import BadRequest
 from gateway.loop.promotion import promote_version
 from gateway.loop.training import base_model_path, grpo_args
@@ -33,6 +34,12 @@ router = APIRouter(prefix="/flywheel/v1/training")
 Body = TypeVar("Body", bound=BaseModel)
 
 
+class BatchQuery(BaseModel):
+    alias: str
+    max_groups: int | None = Field(default=None, ge=1, description="default: train.max_groups")
+    group_ids: str | None = Field(default=None, description="comma-separated group ids: only these")
+
+
 async def _admin_body(request: Request, model: type[Body]) -> tuple[GatewayState, Body]:
     state = GatewayState.of(request)
     state.auth.admin(request)
@@ -41,7 +48,7 @@ async def _admin_body(request: Request, model: type[Body]) -> tuple[GatewayState
     return state, model.model_validate(body)
 
 
-@router.get("/batch")
+@router.get("/batch", openapi_extra=query(BatchQuery), responses=ERRORS)
 async def get_batch(request: Request) -> Response:
     """Scored, untrained groups of an alias, with the base weights and the version it serves now."""
     state = GatewayState.of(request)
@@ -80,7 +87,7 @@ class VersionRequest(BaseModel):
     alias: str
 
 
-@router.post("/versions")
+@router.post("/versions", openapi_extra=json_body(VersionRequest), responses=ERRORS)
 async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
@@ -100,7 +107,7 @@ class RoundReport(BaseModel):
     batch_group_ids: list[str] = Field(default_factory=list)  # every group the round was given
 
 
-@router.post("/rounds")
+@router.post("/rounds", openapi_extra=json_body(RoundReport), responses=ERRORS)
 async def post_round(request: Request) -> Response:
     """Record a finished round (the version becomes a candidate); with ``promote``, serve it at once."""
     state, report = await _admin_body(request, RoundReport)
@@ -119,7 +126,7 @@ class FailureReport(BaseModel):
     group_ids: list[str] = Field(default_factory=list)
 
 
-@router.post("/failures")
+@router.post("/failures", openapi_extra=json_body(FailureReport), responses=ERRORS)
 async def post_failure(request: Request) -> Response:
     """A round that raised: its run is recorded failed, its groups stay for the next round."""
     state, report = await _admin_body(request, FailureReport)

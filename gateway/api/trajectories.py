@@ -18,14 +18,18 @@ is reported as not found.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from capture import export, queries
 from capture.queries import QueryError, TrajectoryFilter
 from capture.store import Store
 from gateway.api.common import caught_up_store, json_response, not_found, query_error, read_body, run_query
+from gateway.api.openapi import ERRORS, json_body, query
 from gateway.errors import BadRequest
 from gateway.protocol import parse_json_object
 from gateway.store.state import StoreState
@@ -37,6 +41,35 @@ _FILTERS = ("alias", "since", "until", "status", "task", "has_reward", "client_k
 
 
 
+# A moment as the filters take it: unix seconds, ISO 8601 (naive: UTC), or a duration ago (30m, 2h, 7d).
+Moment = float | datetime | Annotated[str, Field(pattern=r"^\d+(\.\d+)?\s*[smhdw]$")]
+
+
+class TrajectoryListQuery(BaseModel):
+    alias: str | None = None
+    since: Moment | None = None
+    until: Moment | None = None
+    status: str | None = Field(default=None, description="open or closed")
+    task: str | None = Field(default=None, description="a task key")
+    has_reward: Literal["true", "false", "1", "0", "yes", "no", "on", "off"] | None = None
+    client_key_id: str | None = None
+    limit: int = Field(default=100, ge=1, le=_MAX_LIMIT)
+    after: str | None = Field(default=None, description="the last id of the previous page")
+    order: Literal["asc", "desc"] = "desc"
+
+
+class ClientDataQuery(BaseModel):
+    client_key_id: str = Field(description="delete everything this client key left")
+
+
+class ExportQuery(BaseModel):
+    format: Literal["openai", "art"] = "openai"
+
+
+class CloseRequest(BaseModel):
+    reason: str | None = Field(default=None, description="default: client")
+
+
 async def _admin(request: Request) -> Store:
     """The store, caught up with what the gateway answered so far (401 without the admin key)."""
     store, _ = await caught_up_store(request, admin=True)
@@ -44,7 +77,7 @@ async def _admin(request: Request) -> Store:
 
 
 
-@router.get("/trajectories")
+@router.get("/trajectories", openapi_extra=query(TrajectoryListQuery), responses=ERRORS)
 async def list_trajectories(request: Request) -> Response:
     store = await _admin(request)
     params = request.query_params
@@ -59,7 +92,7 @@ async def list_trajectories(request: Request) -> Response:
     return json_response(page.to_json())
 
 
-@router.delete("/trajectories")
+@router.delete("/trajectories", openapi_extra=query(ClientDataQuery), responses=ERRORS)
 async def delete_client_trajectories(request: Request) -> Response:
     store = await _admin(request)
     client_key_id = request.query_params.get("client_key_id")
@@ -71,7 +104,7 @@ async def delete_client_trajectories(request: Request) -> Response:
                   "rows": counts.to_json()})
 
 
-@router.get("/trajectories/{trajectory_id:path}/export")
+@router.get("/trajectories/{trajectory_id:path}/export", openapi_extra=query(ExportQuery), responses=ERRORS)
 async def export_trajectory(trajectory_id: str, request: Request) -> Response:
     store = await _admin(request)
     fmt = request.query_params.get("format", "openai")
@@ -86,7 +119,8 @@ async def export_trajectory(trajectory_id: str, request: Request) -> Response:
     return Response(body.encode(), media_type="application/x-ndjson")
 
 
-@router.post("/trajectories/{trajectory_id:path}/close")
+@router.post("/trajectories/{trajectory_id:path}/close", openapi_extra=json_body(CloseRequest, required=False),
+             responses=ERRORS)
 async def close_trajectory(trajectory_id: str, request: Request) -> Response:
     """The client says the conversation is over: it will be scored and trained on."""
     state = StoreState.of(request)
@@ -107,7 +141,7 @@ async def close_trajectory(trajectory_id: str, request: Request) -> Response:
     return json_response(await run_query(queries.get_trajectory, store, trajectory_id))
 
 
-@router.get("/trajectories/{trajectory_id:path}")
+@router.get("/trajectories/{trajectory_id:path}", responses=ERRORS)
 async def show_trajectory(trajectory_id: str, request: Request) -> Response:
     store = await _admin(request)
     detail = await run_query(queries.trajectory_detail, store, trajectory_id)
@@ -116,7 +150,7 @@ async def show_trajectory(trajectory_id: str, request: Request) -> Response:
     return json_response(detail)
 
 
-@router.delete("/trajectories/{trajectory_id:path}")
+@router.delete("/trajectories/{trajectory_id:path}", responses=ERRORS)
 async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
     store = await _admin(request)
     counts = await run_query(queries.delete_trajectory, store, trajectory_id)

@@ -1,5 +1,5 @@
 """The ``flywheel`` command (``gateway.cli.main``), one module per group of commands."""
 
-from gateway.cli.main import app
+from gateway.cli.main import app, main
 
-__all__ = ["app"]
+__all__ = ["app", "main"]

@@ -26,8 +26,10 @@ What happens:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -105,7 +107,7 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
          seed: Annotated[int, typer.Option(help="The agent's seed.")] = 0,
          min_groups: Annotated[int, typer.Option(help="Scored groups per training round.")] = 16,
          canary_pairs: Annotated[int, typer.Option(
-             help="Canary episodes per version before the A/B test must decide.")] = 120,
+             help="Canary pairs per version before the A/B test must decide.")] = 40,
          promotions: Annotated[int, typer.Option(
              help="Stop once this many versions were promoted (0: run the whole time).")] = 0,
          ) -> None:
@@ -325,16 +327,27 @@ def _finish(url: str, board: Board, demo_dir: Path) -> dict[str, Any]:
 
 
 def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, Any] | None:
-    """The serving version against the warm start (version 0), with the loop's own sequential test."""
+    """The serving version against the warm start (version 0), measured once, at the end.
+
+    Two numbers: a Welch z-test on every episode of each (one look, so a fixed-sample test is valid:
+    the difference, its 95% interval, the one-sided p-value of "no better"), and the loop's own
+    anytime-valid sequential test on the same episodes paired in order (more conservative).
+    """
     from gateway.loop.abtest import SequentialTest
 
-    if serving == 0:
-        return None
     ours = [r["reward"] for r in rewards if r["version"] == serving]
     theirs = [r["reward"] for r in rewards if r["version"] == 0]
-    test = SequentialTest(alpha=0.05, max_pairs=max(1, min(len(ours), len(theirs))))
-    test.add_all(ours, theirs)
-    return {"version": serving, **test.summary()}
+    if serving == 0 or len(ours) < 2 or len(theirs) < 2:
+        return None
+    difference = statistics.fmean(ours) - statistics.fmean(theirs)
+    se = math.sqrt(statistics.variance(ours) / len(ours) + statistics.variance(theirs) / len(theirs))
+    z = difference / se if se > 0 else math.inf * (1 if difference > 0 else -1)
+    sequential = SequentialTest(alpha=0.05, max_pairs=min(len(ours), len(theirs)))
+    sequential.add_all(ours, theirs)
+    return {"version": serving, "n": len(ours), "n_warm_start": len(theirs), "difference": difference,
+            "low": difference - 1.96 * se, "high": difference + 1.96 * se,
+            "p_value": 0.5 * math.erfc(z / math.sqrt(2)), "test": "Welch z-test, one-sided (candidate > warm start)",
+            "sequential": sequential.summary()}
 
 
 def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], out: Path, window: int = 25) -> None:
@@ -386,9 +399,12 @@ def _report(console: Console, summary: dict[str, Any], demo_dir: Path) -> None:
     console.print(table)
     final = summary.get("final_comparison")
     if final:
-        console.print(f"version {final['version']} vs the warm start: mean difference {final['mean_difference']:+.3f} "
-                      f"over {final['pairs']} paired episodes; test: {final['test']}; "
-                      f"p(better) = {final['p_better']:.4g}")
+        sequential = final["sequential"]
+        console.print(f"version {final['version']} ({final['n']} episodes) vs the warm start "
+                      f"({final['n_warm_start']}): "
+                      f"reward {final['difference']:+.3f}, 95% interval [{final['low']:+.3f}, {final['high']:+.3f}]; "
+                      f"{final['test']}: p = {final['p_value']:.2g}; the loop's sequential test on "
+                      f"{sequential['pairs']} pairs: p(better) = {sequential['p_better']:.2g}")
     else:
         console.print("no version was promoted in this run: the warm start still serves")
     console.print(f"{summary['episodes']} episodes in {summary['seconds'] / 60:.1f} min; "

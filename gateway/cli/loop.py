@@ -36,6 +36,7 @@ from gateway.cli.common import (
     locate,
     open_store,
 )
+from gateway.config import MAX_VERSION
 
 AliasArg = Annotated[str | None, typer.Option("--alias", help="The alias (default: the only one, or the first).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
@@ -185,15 +186,14 @@ def _switch(location: Location, path: str, body: dict[str, Any]) -> dict[str, An
     return admin_call(location, "POST", path, json_body=body)
 
 
-def promote(version: Annotated[int, typer.Argument(help="The version to serve (0: the base model).")],
+def promote(version: Annotated[int, typer.Argument(help="The version to serve (0: the base model).", min=0,
+                                                   max=MAX_VERSION)],
             config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
             data_dir: DataDirOption = None, alias: AliasArg = None) -> None:
     """Serve a version now, by hand (no gate).
 
     Example: flywheel promote 7 --alias my-agent
     """
-    if version < 0:
-        fail("VERSION: a version number is 0 (the base model) or more")
     location = locate(Target(config, gateway, admin_key, data_dir, None))
     name = _alias(location, alias)
     served = _switch(location, f"/flywheel/v1/aliases/{name}/promote", {"version": version})
@@ -201,15 +201,14 @@ def promote(version: Annotated[int, typer.Argument(help="The version to serve (0
 
 
 def rollback(version: Annotated[int | None, typer.Argument(
-                 help="The version to return to (default: the one served before the current one).")] = None,
+                 help="The version to return to (default: the one served before the current one).", min=0,
+                 max=MAX_VERSION)] = None,
              config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
              data_dir: DataDirOption = None, alias: AliasArg = None) -> None:
     """Return to an earlier version; the current one is marked rolled back.
 
     Example: flywheel rollback
     """
-    if version is not None and version < 0:
-        fail("VERSION: a version number is 0 (the base model) or more")
     location = locate(Target(config, gateway, admin_key, data_dir, None))
     name = _alias(location, alias)
     served = _switch(location, f"/flywheel/v1/aliases/{name}/rollback", {"version": version})

@@ -9,15 +9,18 @@ Examples::
 
 from __future__ import annotations
 
-import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 
 from gateway.cli import autorl, demo, export_adapter, jobs, loop
-from gateway.cli.common import ConfigOption, settings_or_exit
+from gateway.cli.common import ConfigOption, fail, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
+from gateway.log_setup import configure_logging
+from gateway.preflight import PreflightError, preflight
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -40,6 +43,9 @@ def serve(config: ConfigOption = None,
           host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
           port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
           data_dir: Annotated[Path | None, typer.Option(help="Where the gateway keeps its files.")] = None,
+          allow_unauthenticated: Annotated[bool, typer.Option(
+              "--allow-unauthenticated", help="Listen on a non-loopback host with no client or admin key "
+                                             "(refused otherwise; docs/security.md).")] = False,
           ) -> None:
     """Run the gateway.
 
@@ -50,8 +56,12 @@ def serve(config: ConfigOption = None,
     from gateway.app import build_app
 
     settings = settings_or_exit(config, host=host, port=port, data_dir=data_dir)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(settings), host=settings.host, port=settings.port,
+    try:
+        preflight(settings, allow_unauthenticated=allow_unauthenticated, environ=os.environ)
+    except PreflightError as exc:
+        fail(str(exc))
+    configure_logging(settings)  # redacted, uvicorn's loggers included (log_config=None)
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30)
 
 
@@ -66,3 +76,24 @@ def tiny_model(path: Annotated[Path, typer.Argument(help="Directory to write the
 
     out = build_tiny_model(path, seed=seed)
     typer.echo(f"tiny model written to {out}")
+
+
+def main() -> None:
+    """The ``flywheel`` command. Bad usage is one ``error:`` line and exit status 2; a file or connection that
+    fails (a path that cannot be written, a gateway that stops answering) one line and status 1."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # a usage error: one line, not the usage text
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        raise SystemExit(1) from None
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        typer.echo(f"error: cannot use{where}: {exc.strerror or exc}", err=True)
+        raise SystemExit(1) from None
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: the gateway call failed: {type(exc).__name__}: {exc}", err=True)
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -359,14 +359,14 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
 
     Example: flywheel trajectories export --format openai --out train.jsonl --status closed --has-reward
     """
-    from capture.export import FORMATS
+    from capture.export import FORMATS, ExportError, check_destination
 
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    if fmt != "parquet" and out.is_dir():
-        fail(f"--out {out} is a directory; {fmt} export writes one JSON Lines file")
-    if fmt == "parquet" and out.exists() and not out.is_dir():
-        fail(f"--out {out} is a file; parquet export writes a directory (trajectories.parquet, turns.parquet)")
+    try:
+        check_destination(out, fmt)
+    except ExportError as exc:
+        fail(f"--out: {exc}")
     filters = _filters(alias, since, until, status, task, has_reward, client_key_id)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=_console(stderr=True))

@@ -141,7 +141,8 @@ class Loop:
 
     def _schedule(self, job: str, alias: str | None, seconds: float) -> None:
         self.scheduler.add_job(self.run, "interval", args=[job, alias], seconds=seconds, id=f"{job}:{alias or '*'}",
-                               max_instances=1, coalesce=True, misfire_grace_time=None)
+                               max_instances=1, coalesce=True, misfire_grace_time=None,
+                               next_run_time=datetime.now(UTC))  # first run at start, not one interval later
 
     async def stop(self) -> None:
         self.stopping = True

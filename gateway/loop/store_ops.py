@@ -112,7 +112,8 @@ def pending(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
 @op("training_batch")
 def batch(store: Store, settings: Settings, alias: str, max_groups: int,
           group_ids: list[str] | None = None) -> list[dict[str, Any]]:
-    return [g.to_json() for g in training_batch(store, alias, max_groups, group_ids)]
+    return [g.to_json() for g in training_batch(store, alias, max_groups, group_ids,
+                                                order=settings.train.batch_order)]
 
 
 @op("reserve_version")

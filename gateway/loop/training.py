@@ -16,7 +16,7 @@ import logging
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sqlmodel import Session, col, select
 
@@ -30,14 +30,18 @@ from gateway.loop import versions
 log = logging.getLogger("flywheel.training")
 
 
-def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[str] | None = None
-                   ) -> list[TrainingGroup]:
-    """Scored groups of ``alias`` not trained on yet, oldest first (only ``group_ids`` when given)."""
+def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[str] | None = None,
+                   order: Literal["newest", "oldest"] = "newest") -> list[TrainingGroup]:
+    """Up to ``max_groups`` scored groups of ``alias`` not trained on yet — the newest or the oldest of them
+    (``train.batch_order``) — in the order they were formed (only ``group_ids`` when given)."""
     with store.session() as session:
         query = select(Group).where(Group.alias == alias, Group.status == "scored")
         if group_ids is not None:
             query = query.where(col(Group.id).in_(group_ids))
-        groups = session.exec(query.order_by(col(Group.created_at)).limit(max_groups)).all()
+        formed = col(Group.created_at)
+        groups = list(session.exec(query.order_by(formed.desc() if order == "newest" else formed)
+                                   .limit(max_groups)).all())
+        groups.sort(key=lambda group: group.created_at)
         return [training_group(session, group) for group in groups]
 
 

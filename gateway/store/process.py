@@ -40,6 +40,7 @@ from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.errors import BadRequest, NotFound
+from gateway.log_setup import configure_logging
 from gateway.loop import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
 from gateway.loop.store_ops import OPS, is_async
 from gateway.loop.versions import VersionError
@@ -47,6 +48,8 @@ from gateway.observability.tracing import Tracing
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
 from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
+from gateway.store.memory import limit_memory, memory_report
+from gateway.store.redacted_bodies import RedactedBodies
 from gateway.store.routes import STORE_ROUTERS
 from gateway.store.state import StoreState
 
@@ -63,6 +66,7 @@ def open_state(settings: Settings) -> StoreState:
     store = open_store(settings)
     capture = settings.capture
     link_wait_s = capture.link_wait_s if capture.link_wait_s is not None else SHARED_LINK_WAIT_S * store.shared
+    limit_memory(store, capture.store_memory_mb)
     recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
                         queue_size=capture.queue_size, batch_size=capture.batch_size,
                         batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s, link_wait_s=link_wait_s)
@@ -153,6 +157,12 @@ async def telemetry_stats(request: Request) -> Response:
     return json_response(tracing.counts.snapshot() if tracing is not None else {})
 
 
+@internal.get("/memory")
+async def memory(request: Request) -> Response:
+    """What this process holds (``gateway/store/memory.py``): bench/soak.py tells a leak from a bounded cache."""
+    return json_response(await asyncio.to_thread(memory_report, StoreState.of(request).store))
+
+
 @internal.post("/ops/{name}")
 async def run_op(name: str, request: Request) -> Response:
     """One of the loop's store operations (``gateway/loop/store_ops.py``), keyword arguments as the JSON body."""
@@ -219,6 +229,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
         app.include_router(router)
     app.include_router(internal)
     install_error_handlers(app)
+    app.add_middleware(RedactedBodies, redactor=redactor_for(settings))  # what the routes write is redacted
     app.add_middleware(ForwardedClient)
     return app
 
@@ -230,10 +241,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
     os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
     import uvicorn
 
-    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket),
+    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30)
 
 

@@ -21,9 +21,10 @@ STATIC = {path.name: path.read_bytes() for path in (HERE / "static").iterdir() i
 def install(app: FastAPI, settings: Settings) -> None:
     """Mount the dashboard at ``/flywheel/ui`` (the catch-all 404 page last)."""
     app.state.dashboard_sessions = Sessions(settings)
+    # HTML pages, not API: left out of the OpenAPI document (/openapi.json)
     for pages in (overview.router, browse.router, versions.router, router):
-        app.include_router(pages)
-    app.add_api_route(PATH + "/{rest:path}", not_found, methods=["GET", "POST"])
+        app.include_router(pages, include_in_schema=False)
+    app.add_api_route(PATH + "/{rest:path}", not_found, methods=["GET", "POST"], include_in_schema=False)
     app.add_exception_handler(PageError, error_page)  # type: ignore[arg-type]
     app.add_exception_handler(LoginRequired, to_login)  # type: ignore[arg-type]
 
