@@ -20,11 +20,18 @@ Rules, first match wins (docs/capture.md has an example of each):
 4. **prefix** on an older assistant message, when the latest matched nothing (the client
    edited the model's last answer): a branch from the turn the request still repeats.
 5. **new**: a trajectory of its own.
+
+Several writers (gateway replicas on one PostgreSQL store, docs/storage.md): a batch locks the
+trajectories it may continue (``SELECT ... FOR UPDATE``, in id order) before it reads which of
+their turns already have a child, so a turn is claimed by one writer and the others see it claimed;
+and a turn whose last answer no stored turn gave yet may wait for it (:class:`ParentWait`): the
+replica that answered it may not have written it yet.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,8 +117,9 @@ class TrajectoryLinker:
     few index probes, never a scan.
     """
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, *, lock: bool = False) -> None:
         self.session = session
+        self.lock = lock  # several writers: lock the trajectories a batch may continue (PostgreSQL)
         # Plain records, not ORM objects: building SQLModel objects costs ~0.4 ms each, and the ORM
         # would flush every changed one as its own UPDATE (~1 ms each on DuckDB).
         self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
@@ -151,6 +159,8 @@ class TrajectoryLinker:
                         {item.parent_trajectory_id for item in batch if item.parent_trajectory_id})
         for chunk in chunks(wanted, 500):
             query = sa_select(*_TRAJECTORIES.columns).where(_TRAJECTORIES.c.id.in_(chunk))
+            if self.lock:  # held to the commit; in id order, so two batches never wait for each other in a cycle
+                query = query.order_by(_TRAJECTORIES.c.id).with_for_update()
             for row in self.session.execute(query).mappings().all():
                 self._trajectories[row["id"]] = SimpleNamespace(**row)
         latest_ids = sorted(t.latest_turn_id for t in self._trajectories.values() if t.explicit and t.latest_turn_id)
@@ -159,7 +169,8 @@ class TrajectoryLinker:
             for turn_id, trajectory_id, depth, key in self.session.execute(sa_select(*columns)
                                                                            .where(col(Turn.id).in_(chunk))).all():
                 self._latest[trajectory_id] = self._candidate(turn_id, trajectory_id, depth, key)
-        # Which candidates already have a child (claimed): a second indexed lookup, by parent id.
+        # Which candidates already have a child (claimed): a second indexed lookup, by parent id. Read after the
+        # lock above: a child another writer added to these trajectories is committed, or waits for us.
         by_id = self._candidates
         for chunk in chunks(sorted(by_id), 500):
             for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}).all():
@@ -211,6 +222,21 @@ class TrajectoryLinker:
                 self._tails[turn_id] = _Tail(index, message_hash(answer),
                                              message_hash(messages[index - 1]) if index else None, distinct)
         return self._tails[turn_id]
+
+    def awaits_parent(self, item: PreparedTurn) -> bool:
+        """Whether no stored turn (of its client key; of its explicit trajectory, when it names one) that gave the
+        request's last assistant message is unclaimed, by prefix or by tail, nor one this batch linked so far.
+
+        Then the turn that gave it to this conversation may still be on its way from another replica: linking
+        now would start a trajectory of its own, or branch (or continue) another conversation that happened to
+        say the same. Side-effect free: rules 2 and 3 looked up, nothing linked or counted."""
+        hashes = item.assistant_prefix_hashes
+        if item.row["source"] == "fork" or not hashes:
+            return False
+        within = item.explicit_trajectory_id
+        last = _last_assistant(item.row["request_messages"] or [])
+        prefix = [c for c in self._prefix_candidates(item, hashes[0], last) if within in (None, c.trajectory_id)]
+        return all(c.has_children for c in (*prefix, *(self._tail_pool(item, within) or ())))
 
     def link(self, item: PreparedTurn) -> dict[str, Any]:
         """The turn's row with its trajectory, parent, depth and link rule filled in."""
@@ -307,14 +333,20 @@ class TrajectoryLinker:
         that several identical conversations could have made starts a trajectory of its own. Conversations
         alike but for their tool-call ids (the prefix hashes leave them out) are told apart by the answer's
         own hash, ids included."""
-        candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == item.row["client_key_id"]]
-        if len(candidates) > 1:
-            answer = message_hash(item.row["request_messages"][position])
-            candidates = [c for c in candidates if c.h_answer == answer] or candidates
+        candidates = self._prefix_candidates(item, h, position)
         unclaimed = [c for c in candidates if not c.has_children]
         if unclaimed:
             return unclaimed[0]
         return candidates[-1] if len({c.trajectory_id for c in candidates}) == 1 else None
+
+    def _prefix_candidates(self, item: PreparedTurn, h: str, position: int | None) -> list[_Candidate]:
+        """Stored turns (same key) whose conversation ends in ``h``; several are told apart by the answer at
+        ``position`` with its tool-call ids, when that leaves any."""
+        candidates = [c for c in self._by_hash.get(h, ()) if c.client_key_id == item.row["client_key_id"]]
+        if len(candidates) > 1 and position is not None:
+            answer = message_hash(item.row["request_messages"][position])
+            candidates = [c for c in candidates if c.h_answer == answer] or candidates
+        return candidates
 
     def _tail_match(self, item: PreparedTurn, within: str | None = None) -> _Match | None:
         """Rule 3 (inside trajectory ``within`` when given): the stored turns (same key) that gave the request's
@@ -403,6 +435,45 @@ class TrajectoryLinker:
         trajectory.latest_turn_id = turn["id"]
         trajectory.updated_at = turn["created_at"]
         trajectory.group_key = trajectory.group_key or turn["group_key"]
+
+
+class ParentWait:
+    """Turns held back because their last answer is not stored yet: each may wait ``wait_s`` from when it was
+    first held, then it is linked by the rules that remain (an older prefix, or a trajectory of its own).
+
+    With one writer (DuckDB) a turn's parent is always written first: the store process reads one ordered
+    stream. With several replicas the turn that gave an answer may sit in another replica's batch for up to
+    its ``batch_wait_s`` plus a write, while the client already sent the next request to this one. The holder
+    (the recorder) passes :meth:`take` back in with each batch, oldest first, so a held chain links in order.
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._turns: list[PreparedTurn] = []
+        self._deadlines: dict[str, float] = {}  # by turn id, from the first hold
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def may_wait(self, item: PreparedTurn) -> bool:
+        deadline = self._deadlines.get(item.row["id"])
+        return self.wait_s > 0 and (deadline is None or time.monotonic() < deadline)
+
+    def hold(self, turns: list[PreparedTurn]) -> int:
+        """Keep ``turns`` (what a write held back); returns how many are held for the first time."""
+        now = time.monotonic()
+        first = [item for item in turns if item.row["id"] not in self._deadlines]
+        for item in first:
+            self._deadlines[item.row["id"]] = now + self.wait_s
+        self._turns.extend(turns)
+        held = {item.row["id"] for item in self._turns}
+        self._deadlines = {turn_id: at for turn_id, at in self._deadlines.items() if turn_id in held}
+        return len(first)
+
+    def take(self) -> list[PreparedTurn]:
+        """The held turns, oldest first, to link again with the next batch (:meth:`hold` keeps their deadlines)."""
+        turns, self._turns = self._turns, []
+        return turns
 
 
 def _last_assistant(messages: list[dict[str, Any]]) -> int | None:

@@ -12,10 +12,13 @@
   Re-ingesting is idempotent: turn ids are fixed before the spool, and stored ids are
   skipped.
 - ``drain`` (SIGTERM, shutdown) writes whatever is queued before the process exits.
+- With ``link_wait_s`` (several gateway replicas on one PostgreSQL store), a turn whose last
+  answer is not stored yet is held back and tried again with each batch, at least every
+  ``batch_wait_s``, for up to ``link_wait_s`` (``capture/linker.py: ParentWait``).
 
 Durability window: a turn is durable once its batch commits, at most ``batch_wait_s``
-plus one batch's write time after ``submit``; a SIGKILL of this process inside that
-window loses it (docs/capture.md has the whole path's window).
+plus one batch's write time after ``submit`` (plus ``link_wait_s`` for a held turn); a
+SIGKILL of this process inside that window loses it (docs/capture.md has the whole path's window).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import BinaryIO
 
 import orjson
 
+from capture.linker import ParentWait
 from capture.redaction import Redactor
 from capture.store import Store
 from capture.turns import PreparedTurn, prepare_lines
@@ -109,7 +113,7 @@ class Recorder:
     """Queue, writer task, spool and counters for captured turns."""
 
     def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int, batch_size: int,
-                 batch_wait_s: float, retry_s: float) -> None:
+                 batch_wait_s: float, retry_s: float, link_wait_s: float = 0.0) -> None:
         self.store = store
         self.spool = spool
         self.redactor = redactor
@@ -126,6 +130,8 @@ class Recorder:
         self._collecting: list[bytes] = []  # the batch being filled (drain writes it too)
         self._writing: asyncio.Future[None] | None = None  # the batch being written (drain awaits it)
         self._write_now = asyncio.Event()  # set by flush(): write the batch being collected at once
+        self.waiting = ParentWait(link_wait_s)  # turns whose parent another replica may still be writing
+        self._next: asyncio.Future[bytes] | None = None  # the queue read in progress (kept across timeouts)
 
     def submit(self, line: bytes) -> None:
         """Hand over a finished exchange (:meth:`CapturedExchange.to_line`); never blocks, never raises."""
@@ -143,33 +149,45 @@ class Recorder:
         self._retry_task = asyncio.create_task(self._reingest_loop(), name="flywheel-spool")
 
     async def drain(self) -> None:
-        """Write everything queued (and try the spool once), then stop."""
+        """Write everything queued and held (and try the spool once), then stop.
+
+        A held turn still waits for its parent meanwhile (at most ``link_wait_s``): in a rolling restart the
+        replica that answered it may be writing it right now."""
         for task in (self._task, self._retry_task):
             if task is not None:
                 task.cancel()
         if self._writing is not None:
             await self._writing  # shielded from the cancel above: let the batch in flight commit
         batch, self._collecting = self._collecting, []
+        if self._next is not None and self._next.done() and not self._next.cancelled():
+            batch.append(self._next.result())  # read from the queue just before the cancel
         while not self.queue.empty():
             batch.append(self.queue.get_nowait())
         if batch:
             await self._write(batch)
+        while len(self.waiting):
+            await asyncio.sleep(self.batch_wait_s)
+            await self._write([])
         await self.reingest()
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Write everything submitted so far now (or spool it), waiting at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         self._write_now.set()  # a reader is waiting: do not wait for the batch to fill
-        while (not self.queue.empty() or self._collecting or self._writing is not None) \
-                and time.monotonic() < deadline:
+        # A line the pending read took off the queue is on its way to the batch (``_run`` resumes a step later).
+        while (not self.queue.empty() or (self._next is not None and self._next.done()) or self._collecting
+               or self._writing is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
     async def _run(self) -> None:
         while True:
-            self._collecting.append(await self.queue.get())
-            if self.queue.qsize() < self.batch_size - 1 and not self._write_now.is_set():
-                with contextlib.suppress(TimeoutError):  # let the batch fill: one timer per batch, not per turn
-                    await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
+            # Held turns are tried again every batch_wait_s even when no new turn comes.
+            line = await self._read(self.batch_wait_s if len(self.waiting) else None)
+            if line is not None:
+                self._collecting.append(line)
+                if self.queue.qsize() < self.batch_size - 1 and not self._write_now.is_set():
+                    with contextlib.suppress(TimeoutError):  # let the batch fill: one timer per batch, not per turn
+                        await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
             self._write_now.clear()
             while len(self._collecting) < self.batch_size and not self.queue.empty():
                 self._collecting.append(self.queue.get_nowait())
@@ -177,6 +195,17 @@ class Recorder:
             self._writing = asyncio.ensure_future(self._write(batch))
             await asyncio.shield(self._writing)
             self._writing = None
+
+    async def _read(self, timeout_s: float | None) -> bytes | None:
+        """The next line from the queue, or None after ``timeout_s``; the read stays pending for the next call (a
+        cancelled ``queue.get`` could drop a line it had just taken)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({self._next}, timeout=timeout_s)
+        if not done:
+            return None
+        line, self._next = self._next.result(), None
+        return line
 
     async def _write(self, batch: list[bytes]) -> None:
         try:
@@ -200,10 +229,10 @@ class Recorder:
 
     def _prepare_and_write(self, batch: list[bytes]) -> Counter[str]:
         outcome: Counter[str] = Counter()
-        prepared = prepare_lines(batch, self.redactor, outcome)
+        prepared = self.waiting.take() + prepare_lines(batch, self.redactor, outcome)  # held ones first: oldest
         if self.store_ok:
             try:
-                outcome["written"] += self.store.write_turns(prepared, counts=outcome)
+                outcome["written"] += self.store.write_turns(prepared, counts=outcome, waiting=self.waiting)
                 return outcome
             except Exception as exc:
                 log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,

@@ -1,14 +1,20 @@
 """The trajectory store: SQLModel tables on a DuckDB file (default) or PostgreSQL.
 
 DuckDB lets one process open a file (architecture §8): the gateway owns it while it runs;
-the CLI opens it directly only when no gateway runs. The schema carries a version in
-``schema_meta``; an older file is migrated by named steps, a newer one is refused with
-a clear message, and nothing is ever dropped or rewritten silently.
+the CLI opens it directly only when no gateway runs. PostgreSQL is shared by several gateway
+replicas: each replica's store process writes, so what one process decided alone on DuckDB is
+settled in the database there (docs/storage.md, "Several writers"): the schema is created or
+migrated under an advisory lock, a batch of turns locks the trajectories it continues before
+it reads which of their turns are claimed, and a batch that lost a race is linked again.
+The schema carries a version in ``schema_meta``; an older store is migrated by named steps,
+a newer one is refused with a clear message, and nothing is ever dropped or rewritten silently.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -19,11 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from orjson import dumps
-from sqlalchemy import JSON, Engine, bindparam, insert, inspect, text
+from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-from capture.linker import TOUCHED_COLUMNS, TrajectoryLinker, chunks
+from capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from capture.turns import PreparedTurn
 
@@ -74,6 +81,7 @@ def retry_on_conflict(write: Callable[[], T]) -> T:
     DuckDB's concurrency is optimistic: two transactions updating one trajectory (a batch of turns
     continuing it, feedback closing it) is a "Conflict on update/tuple deletion", and the loser is
     rolled back. Its work is still valid, so it runs again on fresh state after a short pause.
+    On PostgreSQL a writer locks the rows it changes and the other waits, so this never triggers there.
     """
     for attempt in range(CONFLICT_ATTEMPTS):
         try:
@@ -91,9 +99,28 @@ class SchemaError(RuntimeError):
 
 
 def database_url(path_or_url: str | Path) -> str:
-    """``duckdb:///<path>`` for a file path; URLs (``postgresql://...``) pass through."""
+    """``duckdb:///<path>`` for a file path; ``postgresql://`` means psycopg (3), the driver ``[gateway]`` installs;
+    other URLs pass through."""
     text = str(path_or_url)
-    return text if "://" in text else f"duckdb:///{Path(text).resolve()}"
+    if "://" not in text:
+        return f"duckdb:///{Path(text).resolve()}"
+    return "postgresql+psycopg://" + text.removeprefix("postgresql://") if text.startswith("postgresql://") else text
+
+
+def printable_url(url: str | Path) -> str:
+    """The URL with its password masked, for logs and messages (``postgresql+psycopg://me:***@db/flywheel``)."""
+    text = database_url(url)
+    return text if text.startswith("duckdb:") else make_url(text).render_as_string(hide_password=True)
+
+
+def lock_key(name: str) -> int:
+    """A PostgreSQL advisory lock key (a signed 64-bit integer) for a name; the same in every process."""
+    return int.from_bytes(hashlib.sha256(f"flywheel:{name}".encode()).digest()[:8], "big", signed=True)
+
+
+# PostgreSQL errors after which a batch is linked again from the start: another writer won a race.
+RACES = {"23505": "unique_violation", "40P01": "deadlock_detected", "40001": "serialization_failure"}
+WRITE_ATTEMPTS = 5
 
 
 class Store:
@@ -104,7 +131,10 @@ class Store:
         if self.url.startswith("duckdb:///"):
             Path(self.url.removeprefix("duckdb:///")).parent.mkdir(parents=True, exist_ok=True)
         # One JSON text form for every writer (ORM, Core, the Arrow bulk path): compact orjson.
-        self.engine: Engine = create_engine(self.url, json_serializer=_json_text, connect_args=_connect_args(self.url))
+        self.engine: Engine = create_engine(self.url, json_serializer=_json_text, connect_args=_connect_args(self.url),
+                                            **_engine_options(self.url))
+        self.shared = self.engine.dialect.name == "postgresql"  # several processes (replicas) write it
+        self._local_locks: dict[str, threading.Lock] = {}  # exclusive() where one process owns the store
         try:
             self.migrate()
         except BaseException:
@@ -113,6 +143,21 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @contextmanager
+    def exclusive(self, session: Session, name: str) -> Iterator[None]:
+        """Run the session's next transaction alone among every process that asks for ``name``.
+
+        PostgreSQL: an advisory lock taken in the session's transaction, released when it commits or
+        rolls back (so the caller must commit inside). One process owns any other store: a lock of
+        this object's.
+        """
+        if self.shared:
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": lock_key(name)})
+            yield
+            return
+        with self._local_locks.setdefault(name, threading.Lock()):
+            yield
 
     def warm_up(self) -> None:
         """Pay the write path's one-time costs now, not on the first batch (DuckDB's first Arrow
@@ -134,33 +179,52 @@ class Store:
 
     def migrate(self) -> None:
         """Create a new store, or bring an older one to ``SCHEMA_VERSION``, or refuse a newer one."""
-        existing = set(inspect(self.engine).get_table_names())
-        if "schema_meta" not in existing:
-            if existing & {"turns", "trajectories"}:
-                raise SchemaError(f"{self.url}: tables without a schema version; refusing to touch them")
-            SQLModel.metadata.create_all(self.engine)
-            with self.session() as session:
-                session.add(SchemaMeta(key="schema_version", value=str(SCHEMA_VERSION)))
-                session.commit()
-            return
-        with self.session() as session:
-            meta = session.get(SchemaMeta, "schema_version")
-            version = int(meta.value) if meta else 0
-        if version > SCHEMA_VERSION:
-            raise SchemaError(f"{self.url} has schema version {version}; this Flywheel knows up to "
-                              f"{SCHEMA_VERSION}. Upgrade Flywheel; the file was not changed.")
-        while version < SCHEMA_VERSION:
-            if version not in MIGRATIONS:
-                raise SchemaError(f"{self.url}: no migration from schema version {version}")
-            name, step = MIGRATIONS[version]
-            with self.engine.begin() as connection:
-                step(connection)
-                connection.execute(SchemaMeta.__table__.update().values(value=str(version + 1))  # type: ignore[attr-defined]
-                                   .where(SchemaMeta.__table__.c.key == "schema_version"))  # type: ignore[attr-defined]
-                connection.execute(SchemaMeta.__table__.insert().values(  # type: ignore[attr-defined]
-                    key=f"migration:{version + 1}", value=name))
-            log.info("store migrated to schema version %d (%s)", version + 1, name)
-            version += 1
+        where = printable_url(self.url)
+        with self._schema_connection() as connection:
+            with connection.begin():
+                existing = set(inspect(connection).get_table_names())
+            if "schema_meta" not in existing:
+                if existing & {"turns", "trajectories"}:
+                    raise SchemaError(f"{where}: tables without a schema version; refusing to touch them")
+                with connection.begin():
+                    SQLModel.metadata.create_all(connection)
+                    connection.execute(_META.insert().values(key="schema_version", value=str(SCHEMA_VERSION)))
+                return
+            with connection.begin():
+                meta = connection.execute(select(_META.c.value).where(_META.c.key == "schema_version")).scalar()
+            version = int(meta) if meta else 0
+            if version > SCHEMA_VERSION:
+                raise SchemaError(f"{where} has schema version {version}; this Flywheel knows up to "
+                                  f"{SCHEMA_VERSION}. Upgrade Flywheel; the file was not changed.")
+            while version < SCHEMA_VERSION:
+                if version not in MIGRATIONS:
+                    raise SchemaError(f"{where}: no migration from schema version {version}")
+                name, step = MIGRATIONS[version]
+                with connection.begin():
+                    step(connection)
+                    connection.execute(_META.update().values(value=str(version + 1))
+                                       .where(_META.c.key == "schema_version"))
+                    connection.execute(_META.insert().values(key=f"migration:{version + 1}", value=name))
+                log.info("store migrated to schema version %d (%s)", version + 1, name)
+                version += 1
+
+    @contextmanager
+    def _schema_connection(self) -> Iterator[Connection]:
+        """The connection the schema is created or migrated on: on PostgreSQL under an advisory lock, so replicas
+        that start together create or migrate it once (the later ones find it done)."""
+        with self.engine.connect() as connection:
+            if not self.shared:
+                yield connection
+                return
+            key = {"key": lock_key("migrate")}
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), key)
+            connection.commit()
+            try:
+                yield connection
+            finally:
+                connection.rollback()
+                connection.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+                connection.commit()
 
     def schema_version(self) -> int:
         with self.session() as session:
@@ -170,17 +234,40 @@ class Store:
     # -- writes -------------------------------------------------------------------------------------------
 
     def write_turns(self, prepared: Iterable[PreparedTurn], *, skip_stored: bool = False,
-                    counts: Counter[str] | None = None) -> int:
+                    counts: Counter[str] | None = None, waiting: ParentWait | None = None) -> int:
         """Link and insert turns in one transaction; returns how many were written.
 
         ``skip_stored`` (re-ingesting a spool, which may hold turns already written before a
         crash) first drops the turns whose ids are stored; fresh turns need no such query.
         ``counts`` receives the linker's tallies (each turn's rule, the tails refused) once committed.
+        ``waiting`` holds back the turns whose last answer no stored turn gave yet, while they may wait
+        (another replica may still be writing it): they are not written now, and the caller passes them
+        again with a later batch.
+
+        On a shared store a batch that lost a race to another writer (a trajectory both started, a deadlock)
+        is rolled back and linked again from what is stored then, up to ``WRITE_ATTEMPTS`` times.
         """
         prepared = list(prepared)
-        return retry_on_conflict(lambda: self._write_turns(prepared, skip_stored, counts))
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                # DuckDB's write conflicts run the same attempt again; PostgreSQL's races (below) link it again
+                linker, held = retry_on_conflict(
+                    lambda: self._link_and_write(prepared, skip_stored=skip_stored, waiting=waiting))
+                break
+            except DBAPIError as exc:
+                race = RACES.get(getattr(exc.orig, "sqlstate", None) or "")
+                if race is None or attempt == WRITE_ATTEMPTS:
+                    raise
+                log.info("a batch of %d turns lost a race (%s); linking it again", len(prepared), race)
+        if waiting is not None:
+            linker.counts["waited"] += waiting.hold(held)  # turns that wait for their parent (once each)
+        if counts is not None:
+            counts.update(linker.counts)
+        return len(linker.turns)
 
-    def _write_turns(self, prepared: list[PreparedTurn], skip_stored: bool, counts: Counter[str] | None) -> int:
+    def _link_and_write(self, prepared: list[PreparedTurn], *, skip_stored: bool, waiting: ParentWait | None
+                        ) -> tuple[TrajectoryLinker, list[PreparedTurn]]:
+        """One attempt: link the batch and commit it; returns the linker and the turns held back."""
         with self.session() as session:
             known: set[str] = set()
             if skip_stored:
@@ -188,19 +275,21 @@ class Store:
                 for chunk in chunks(ids, 500):
                     known |= set(session.exec(select(Turn.id).where(col(Turn.id).in_(chunk))))
             todo = [item for item in prepared if item.row["id"] not in known]
-            linker = TrajectoryLinker(session)
+            linker = TrajectoryLinker(session, lock=self.shared)
             linker.prefetch(todo)
+            held = []
             for item in todo:
-                linker.link(item)
+                if waiting is not None and waiting.may_wait(item) and linker.awaits_parent(item):
+                    held.append(item)
+                else:
+                    linker.link(item)
             linker.finish()
             # One multi-row INSERT per table, one UPDATE for the stored trajectories the batch continued.
             bulk_insert(session, Turn, linker.turns)
             bulk_insert(session, Trajectory, linker.new_trajectories())
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
             session.commit()
-        if counts is not None:
-            counts.update(linker.counts)
-        return len(todo)
+        return linker, held
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
         """Close open trajectories with no new turn for ``idle_s`` seconds."""
@@ -239,10 +328,24 @@ class Store:
             return trajectory
 
 
+_META = SchemaMeta.__table__  # type: ignore[attr-defined]
+
+
 def _connect_args(url: str) -> dict[str, Any]:
     # One DuckDB worker thread: the store serves small batches; more threads only compete with
     # the gateway's event loop for the cores (measured: -40% capture CPU on 2 cores).
-    return {"config": {"threads": 1}} if url.startswith("duckdb:") else {}
+    if url.startswith("duckdb:"):
+        return {"config": {"threads": 1}}
+    if url.startswith("postgresql"):
+        # A server that stopped answering (a dead host, a cut network) is noticed in ~15 s, not the kernel's hours.
+        return {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                "keepalives_count": 3}
+    return {}
+
+
+def _engine_options(url: str) -> dict[str, Any]:
+    # A pooled connection the server closed (a restart, a failover) is replaced before use, not failed on.
+    return {"pool_pre_ping": True} if url.startswith("postgresql") else {}
 
 
 def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, Any]]) -> None:

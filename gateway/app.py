@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from capture.store import printable_url
 from gateway.api import admin, completions, loop_admin, training
 from gateway.api.common import json_response, read_body
 from gateway.api.error_handlers import install_error_handlers
@@ -28,6 +29,7 @@ from gateway.config import LocalEngineConfig, OpenAIEngineConfig, Settings
 from gateway.discovery import announce_when_listening, local_url, withdraw
 from gateway.engines.base import Engine
 from gateway.errors import OpenAIError
+from gateway.loop.leader import shared_store
 from gateway.loop.promotion import restore_serving
 from gateway.loop.scheduler import Loop
 from gateway.observability.loop_jobs import Observability
@@ -52,6 +54,14 @@ def make_engine(config: LocalEngineConfig | OpenAIEngineConfig, settings: Settin
     return LocalEngine(config, settings.data_dir)
 
 
+def retire_after_s(settings: Settings) -> float:
+    """How long a replaced adapter stays loaded: replicas sharing an engine switch within ``follow_s`` each."""
+    replicas = settings.replicas
+    if replicas.retire_after_s is not None:
+        return replicas.retire_after_s
+    return 2 * replicas.follow_s + 30 if shared_store(settings.database) else 0.0
+
+
 async def start_gateway(settings: Settings) -> GatewayState:
     """Start every engine and the store process, load the aliases' adapters, and build the state."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -71,7 +81,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
         base = cfg.base_model or (engine_cfg.model if isinstance(engine_cfg, LocalEngineConfig) else alias)
         served[alias] = ServedModel(alias=alias, engine_name=cfg.engine, engine=engines[cfg.engine],
                                     base_model=base)
-    state = GatewayState(settings=settings, engines=engines, router=ModelRouter(settings.routing, served),
+    router = ModelRouter(settings.routing, served, retire_after_s=retire_after_s(settings))
+    state = GatewayState(settings=settings, engines=engines, router=router,
                          auth=Authenticator.from_config(settings.auth), store_link=store_link,
                          started_at=int(time.time()))
     await restore_serving(state)  # what the store says serves each alias (a restart never undoes a promotion)
@@ -91,9 +102,9 @@ def build_app(settings: Settings) -> FastAPI:
         app.state.observability = observability
         announcing = asyncio.create_task(announce_when_listening(settings))
         tune_gc()  # everything the gateway keeps is allocated by now
-        log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s",
-                 [s.alias for s in state.router.all()], list(state.engines), settings.database,
-                 "on" if settings.loop.enabled else "off")
+        log.info("flywheel gateway ready: aliases=%s engines=%s store=%s loop=%s (%s)",
+                 [s.alias for s in state.router.all()], list(state.engines), printable_url(settings.database),
+                 "on" if settings.loop.enabled else "off", loop.leadership.role)
         try:
             yield
         finally:

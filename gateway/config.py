@@ -190,6 +190,10 @@ class CaptureConfig(BaseModel):
     # 80% of the machine's RAM, a database server's share, not a sidecar's (docs/benchmarks.md, "Soak").
     store_memory_mb: int = Field(default=512, ge=64)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    # Several replicas on one PostgreSQL store: a turn whose last answer is not stored yet waits this long for
+    # it (the replica that gave it may still be writing it) before it is linked without it. Unset: 5 s on a
+    # shared store, 0 on DuckDB (one store process reads every turn in order).
+    link_wait_s: float | None = Field(default=None, ge=0, le=300)
 
 
 class GroupsConfig(BaseModel):
@@ -216,6 +220,10 @@ class TrainConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
     tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)
     max_groups: int = Field(default=64, ge=1)  # scored groups per round
+    # true: rounds are trained by trainer workers (`flywheel train --gateway URL` on a GPU machine, docs/deploy.md)
+    # through the admin API; the loop never trains in a child process of its own (the gateway needs no torch),
+    # gates what the workers report, and fails a round no worker reported within loop.train_timeout_s
+    workers: bool = False
     # Which scored groups a round takes when more wait than max_groups: the newest were sampled by the policy
     # closest to the one being trained (GRPO's ratio near 1); "oldest" drains the backlog in arrival order.
     batch_order: Literal["newest", "oldest"] = "newest"
@@ -322,6 +330,16 @@ CLI_API_KEY_VARIABLE = "FLYWHEEL_API_KEY"
 CLI_VARIABLES = frozenset({CLI_ADMIN_KEY_VARIABLE, CLI_API_KEY_VARIABLE})
 
 
+class ReplicasConfig(BaseModel):
+    """Several gateway replicas on one PostgreSQL store (docs/deploy.md): one runs the loop, every one follows it."""
+
+    follow_s: float = Field(default=5.0, gt=0, le=300)  # how often a replica reads which version serves (and canaries)
+    campaign_s: float = Field(default=2.0, gt=0, le=60)  # how often a follower tries to take the loop over
+    # A replaced adapter is unloaded from a shared engine this long after the switch (other replicas may still
+    # route to it until they follow); unset: 2 x follow_s + 30 s on a shared store, at once on DuckDB.
+    retire_after_s: float | None = Field(default=None, ge=0)
+
+
 def _default_engines() -> dict[str, EngineConfig]:
     return {name: LocalEngineConfig.model_validate(cfg) for name, cfg in DEFAULT_ENGINES.items()}
 
@@ -355,6 +373,7 @@ class Settings(BaseSettings):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
 
     @property
     def database(self) -> str:

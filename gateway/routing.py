@@ -55,11 +55,15 @@ class SwapError(UpstreamError):
 class ModelRouter:
     """Resolves requested model names, switches aliases between versions, and holds their canaries."""
 
-    def __init__(self, routing: RoutingConfig, served: dict[str, ServedModel]) -> None:
+    def __init__(self, routing: RoutingConfig, served: dict[str, ServedModel], *, retire_after_s: float = 0.0) -> None:
         self._routing = routing
         self._served = served
         self.canaries: dict[str, CanarySplit] = {}
         self._locks = {alias: asyncio.Lock() for alias in served}
+        self.generation = 0  # counts switches and canary changes (a reader of the store can tell it went stale)
+        # Replicas sharing an engine: a replaced adapter stays loaded this long, as the others may still route to it.
+        self.retire_after_s = retire_after_s
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def alias_of(self, requested: str) -> str:
         alias = self._routing.resolve(requested, self._served)
@@ -92,7 +96,12 @@ class ModelRouter:
         assert candidate.adapter_path is not None
         engine = candidate.engine
         if candidate.adapter not in await engine.adapters():
-            await engine.load_adapter(candidate.adapter, candidate.adapter_path)
+            try:
+                await engine.load_adapter(candidate.adapter, candidate.adapter_path)
+            except OpenAIError:
+                if candidate.adapter not in await engine.adapters():
+                    raise
+                # another replica sharing this engine loaded it meanwhile (vLLM refuses a name it has)
         listed = await engine.adapters()
         if candidate.adapter not in listed:
             raise SwapError(f"the engine did not list {candidate.adapter} after loading it (it lists {listed})")
@@ -120,8 +129,9 @@ class ModelRouter:
                 new = self.version_model(alias, version, path)
                 await self.load(new)
             self._served[alias] = new
+            self.generation += 1
             log.info("alias %s now served by %s (version %d)", alias, new.engine_model, version)
-        await self.retire(old)
+        await self._retire_soon(old)
         return new
 
     async def start_canary(self, split: CanarySplit) -> None:
@@ -129,6 +139,7 @@ class ModelRouter:
         async with self._locks[split.served.alias]:
             await self.load(split.served)
             self.canaries[split.served.alias] = split
+            self.generation += 1
         log.info("canary: %.0f%% of %s's new conversations go to %s", split.fraction * 100, split.served.alias,
                  split.served.engine_model)
 
@@ -136,8 +147,27 @@ class ModelRouter:
         """Stop routing to the candidate (rejected), then unload it once its requests have drained."""
         async with self._locks[alias]:
             split = self.canaries.pop(alias, None)
+            self.generation += 1
         if split is not None:
-            await self.retire(split.served, drain_timeout_s)
+            await self._retire_soon(split.served, drain_timeout_s)
+
+    async def _retire_soon(self, served: ServedModel, drain_timeout_s: float = 30.0) -> None:
+        """Retire ``served`` now, or (``retire_after_s``) in the background once the other replicas followed."""
+        if self.retire_after_s <= 0:
+            await self.retire(served, drain_timeout_s)
+            return
+        task = asyncio.create_task(self._retire_later(served, drain_timeout_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire_later(self, served: ServedModel, drain_timeout_s: float) -> None:
+        await asyncio.sleep(self.retire_after_s)
+        if served.adapter in {s.adapter for s in self.all()} | {c.served.adapter for c in self.canaries.values()}:
+            return  # serving here again meanwhile (a rollback to it)
+        try:
+            await self.retire(served, drain_timeout_s)
+        except OpenAIError as exc:  # another replica unloaded it first
+            log.info("%s was not unloaded (%s)", served.adapter, exc.message)
 
     async def retire(self, served: ServedModel, drain_timeout_s: float = 30.0) -> None:
         """Unload ``served``'s adapter after its in-flight requests finished (bounded wait)."""

@@ -16,6 +16,7 @@ import pytest
 
 from capture.store import Store
 from tests.gateway_process import GatewayProcess
+from tests.postgres import postgres, postgres_url  # noqa: F401  (fixtures)
 
 CLIENT_KEY = "sk-test-client-key"
 ADMIN_KEY = "test-admin-key"
@@ -43,11 +44,23 @@ def weather_followup(call_id: str) -> list[dict[str, Any]]:
             {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "sunny"}'}]
 
 
-@pytest.fixture(params=["duckdb", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """A store file on DuckDB (the default) and on SQLite, which takes the generic write path PostgreSQL takes."""
-    url: Path | str = tmp_path / "s.duckdb" if request.param == "duckdb" else f"sqlite:///{tmp_path / 's.sqlite'}"
-    opened = Store(url)
+BACKENDS = ["duckdb", "postgresql"]
+
+
+@pytest.fixture(params=BACKENDS)
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new store's location on each backend: a DuckDB file (the default) and a database on the session's
+    PostgreSQL server (tests/postgres.py)."""
+    if request.param == "duckdb":
+        return str(tmp_path / "s.duckdb")
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+@pytest.fixture
+def store(database: str) -> Iterator[Store]:
+    """An open store on each backend (``database``)."""
+    opened = Store(database)
     yield opened
     opened.close()
 

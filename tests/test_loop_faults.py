@@ -66,6 +66,7 @@ holdout_fraction = 0.0  # both conversations must form the group
 def test_a_restart_mid_canary_resumes_it(tmp_path: Path) -> None:
     with VllmStandIn() as vllm:
         gateway = GatewayProcess(tmp_path, f"""
+adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
 [engines.vllm]
 base_url = "{vllm.base_url}"
 [aliases.agent]

@@ -57,7 +57,8 @@ async def _body(request: Request, model: type[BaseModel], state: GatewayState) -
 @router.get("/status", responses=ERRORS)
 async def status(request: Request) -> Response:
     state = await _admin(request)
-    return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases]})
+    return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases],
+                          "replica": {"role": Loop.of(request).leadership.role}})
 
 
 async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
@@ -154,9 +155,10 @@ async def rollback_by_hand(state: GatewayState, alias: str, version: int | None 
 async def _end_canary(state: GatewayState, alias: str, unless_version: int | None = None) -> None:
     split = state.router.canaries.get(alias)
     if split is not None and split.served.version != unless_version:
-        await state.router.stop_canary(alias)
+        # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
         await state.store_link.op("decide", alias=alias, version=split.served.version, status="rejected",
                                   reason="canary stopped: another version was chosen by hand")
+        await state.router.stop_canary(alias)
 
 
 class CandidateRequest(BaseModel):

@@ -1,7 +1,10 @@
 """Admin API for a trainer in another process (``flywheel train``, the loop's training child, a worker).
 
     GET  /flywheel/v1/training/batch?alias=A&max_groups=N[&group_ids=g1,g2]  scored groups, base weights,
-                                                                            the version serving now
+                                                                            the version serving now (with
+                                                                            ``[train] workers``: none unless
+                                                                            the loop's rule says a round is
+                                                                            due and no version is in flight)
     POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
     POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
     POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
@@ -62,9 +65,22 @@ async def get_batch(request: Request) -> Response:
         raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
     args = asdict(grpo_args(state.settings, base))
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
-    groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
+    if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
+        groups: list[dict[str, object]] = []  # trainer workers ask often: a round only when the loop would train
+    else:
+        groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
     current = {"version": served.version, "path": served.adapter_path} if served.adapter_path else None
     return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
+
+
+async def _worker_round_due(request: Request, state: GatewayState, alias: str) -> bool:
+    """``[train] workers``: the loop's rule (``loop.min_groups``, ``loop.train_every_s``), one version in flight."""
+    from gateway.loop.scheduler import Loop, training_due
+
+    if (await state.store_link.op("serving"))[alias]["in_flight"] is not None:
+        return False
+    pending = await state.store_link.op("pending", alias=alias)
+    return training_due(pending, state.settings.loop, Loop.of(request).started_at)
 
 
 class VersionRequest(BaseModel):
@@ -77,7 +93,8 @@ async def reserve_version(request: Request) -> Response:
     state, body = await _admin_body(request, VersionRequest)
     served = state.router.get(body.alias)
     row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
-                                    parent_version=served.version or None)
+                                    parent_version=served.version or None,
+                                    alone=state.settings.train.workers)  # workers: never two rounds at once
     return json_response(row)
 
 

@@ -124,7 +124,7 @@ def _answers(url: str) -> bool:
 
 
 def open_store(database: str) -> Store:
-    from capture.store import SchemaError, Store, database_url
+    from capture.store import SchemaError, Store, database_url, printable_url
 
     url = database_url(database)
     if url.startswith("duckdb:///") and not Path(url.removeprefix("duckdb:///")).is_file():
@@ -137,7 +137,7 @@ def open_store(database: str) -> Store:
         message = str(exc).splitlines()[0]
         if "lock" in message.lower():
             fail(f"the store is open in another process (a gateway?); use --gateway URL. ({message})")
-        fail(f"cannot open the store {database}: {message}")
+        fail(f"cannot open the store {printable_url(database)}: {message}")
 
 
 def admin_call(location: Location, method: str, path: str, params: dict[str, str] | None = None, *,

@@ -16,7 +16,7 @@ from typing import Annotated
 import httpx
 import typer
 
-from gateway.cli import autorl, demo, jobs, loop
+from gateway.cli import autorl, demo, export_adapter, jobs, loop
 from gateway.cli.common import ConfigOption, fail, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
 from gateway.log_setup import configure_logging
@@ -36,6 +36,7 @@ app.command("promote")(loop.promote)
 app.command("rollback")(loop.rollback)
 app.command("autorl")(autorl.autorl)
 app.command("demo")(demo.demo)
+app.command("export-adapter")(export_adapter.export_adapter)
 
 @app.command()
 def serve(config: ConfigOption = None,

@@ -154,7 +154,9 @@ class StoreBackend:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.where = store.url
+        from capture.store import printable_url
+
+        self.where = printable_url(store.url)
 
     def page(self, filters: dict[str, str], *, limit: int, after: str | None, order: str) -> dict[str, Any]:
         from capture import queries

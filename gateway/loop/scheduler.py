@@ -12,7 +12,10 @@ Jobs, each on its own interval, each at most one run at a time, each run recorde
                                 compares with the predecessor's recorded rewards and rolls back on a drop
 
 State lives in the store (versions and their gate results, groups, job runs), never only in
-memory: after a restart the jobs pick up where the store says things are. A job that raises is
+memory: after a restart the jobs pick up where the store says things are. With several replicas
+on one PostgreSQL store the jobs run on one of them, the leader (``gateway/loop/leader.py``);
+every replica follows the store: each ``replicas.follow_s`` it serves the version the store says
+serves each alias, and its canary, through the same hot swap. A job that raises is
 logged, recorded ``failed`` and tried again at its next tick; it never stops the others, and
 nothing here is on a client request's path. ``close_idle`` and ``form_groups`` always run
 (capture's housekeeping); the others only with ``[loop] enabled``.
@@ -30,10 +33,12 @@ from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from gateway.config import LoopConfig
 from gateway.loop import gate as offline
 from gateway.loop.abtest import SequentialTest
 from gateway.loop.canary import CanarySplit
 from gateway.loop.child import TrainingChild
+from gateway.loop.leader import Leadership, shared_store
 from gateway.loop.promotion import promote_version
 from gateway.observability.loop_jobs import Observability
 from gateway.state import GatewayState
@@ -60,6 +65,14 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def training_due(pending: dict[str, Any], loop: LoopConfig, started_at: float) -> bool:
+    """The loop's rule for a round (the store's ``pending`` of an alias): ``min_groups`` scored groups wait, or
+    one does and the last round (with none yet: ``started_at``, when this loop started) is ``train_every_s`` old."""
+    scored, last = pending["scored_groups"], pending["last_trained_at"]
+    since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else started_at)
+    return scored >= loop.min_groups or bool(scored and since_last >= loop.train_every_s)
+
+
 class Loop:
     """Schedules the jobs and runs each one with its record in ``job_runs``."""
 
@@ -70,19 +83,40 @@ class Loop:
         self.child = TrainingChild(state.settings, gateway_url)
         self.scheduler = AsyncIOScheduler()
         self.stopping = False
-        self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start
+        self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
             "train": self.train, "gate": self.gate, "ab": self.ab}
+        replicas = state.settings.replicas
+        self.leadership = Leadership.for_database(state.settings.database, replicas.campaign_s, self._lead)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        recovered = await self.state.store_link.op("recover")
-        if any(recovered.values()):
-            log.warning("loop: after the last stop, %s", recovered)
-        await self._restore_canaries()
+        await self.follow()  # a canary that ran when the gateway stopped (or runs on another replica) goes on
+        if shared_store(self.settings.database):
+            self.scheduler.add_job(self.follow, "interval", seconds=self.settings.replicas.follow_s, id="follow",
+                                   max_instances=1, coalesce=True, misfire_grace_time=None)
+        self.scheduler.start()
+        await self.leadership.start()
+
+    async def _lead(self, leading: bool) -> None:
+        """Schedule the jobs when this replica becomes the leader; remove them (and stop its rounds) when it stops."""
+        if not leading:
+            for job in self.scheduler.get_jobs():
+                if job.id != "follow":
+                    job.remove()
+            await self.child.stop_all()  # the new leader records them failed
+            return
+        self.started_at = time.time()
+        try:
+            # Trainer workers' rounds are not this replica's children: their versions time out instead (train job).
+            recovered = await self.state.store_link.op("recover", rounds=not self.settings.train.workers)
+            if any(recovered.values()):
+                log.warning("loop: after the last leader stopped, %s", recovered)
+        except Exception as exc:  # the store process is (re)starting: what is stale is found at the next start
+            log.warning("loop: could not recover what the last leader left (%s)", exc)
         loop = self.settings.loop
         idle_s = self.settings.capture.idle_close_s
         intervals: dict[str, float] = {"close_idle": max(1.0, min(60.0, idle_s / 4)),
@@ -95,7 +129,6 @@ class Loop:
             for alias in self.settings.aliases:
                 for job in ALIAS_JOBS:
                     self._schedule(job, alias, intervals[job])
-        self.scheduler.start()
 
     @staticmethod
     def of(request: Any) -> Loop:
@@ -113,22 +146,54 @@ class Loop:
 
     async def stop(self) -> None:
         self.stopping = True
+        await self.leadership.stop()  # removes the jobs, stops the rounds: they are recorded failed at the next start
         self.scheduler.shutdown(wait=False)
-        await self.child.stop_all()  # the rounds they ran are recorded failed at the next start
 
-    async def _restore_canaries(self) -> None:
-        """A canary that ran when the gateway stopped goes on: its candidate is loaded again."""
-        flights = await self.state.store_link.op("serving")
-        for alias, rows in flights.items():
-            flight = rows.get("in_flight")
-            if flight and flight["status"] == "canary" and alias in self.settings.aliases:
-                started = ((flight.get("gate") or {}).get("online") or {}).get("started_at") or _now()
-                await self._start_canary(alias, flight, started)
+    async def follow(self) -> None:
+        """Serve what the store says serves each alias, and its canary; never raises.
+
+        Every replica does it every ``replicas.follow_s`` (a switch made on another replica reaches this one
+        within that, plus the engine's load); at start it restores a canary that was running. A change this
+        process made while the store was read is left to the next look, which reads the store again.
+        """
+        router = self.state.router
+        generation = router.generation
+        try:
+            rows = await self.state.store_link.op("serving")
+        except Exception as exc:  # the store process is restarting: the next look follows
+            log.warning("loop: could not read the serving versions (%s)", exc)
+            return
+        for alias in self.settings.aliases:
+            if router.generation != generation:
+                return
+            try:
+                await self._follow(alias, rows.get(alias) or {})
+            except Exception:
+                log.exception("loop: %s could not follow the store; trying again at the next look", alias)
+
+    async def _follow(self, alias: str, rows: dict[str, Any]) -> None:
+        router = self.state.router
+        current = rows.get("serving")
+        version = current["version"] if current else 0
+        if router.get(alias).version != version:
+            await router.switch(alias, version, current["path"] if current else None)
+            log.info("loop: %s follows the store: version %d serves", alias, version)
+        flight, split = rows.get("in_flight"), router.canaries.get(alias)
+        if split is None and flight is not None and flight["status"] == "canary":
+            started = ((flight.get("gate") or {}).get("online") or {}).get("started_at") or _now()
+            await self._start_canary(alias, flight, started)
+        elif split is not None and (flight is None or flight["version"] != split.served.version):
+            await router.stop_canary(alias)  # decided elsewhere (promoted, rejected)
 
     # -- running one job ------------------------------------------------------------------------------------
 
     async def run(self, job: str, alias: str | None) -> dict[str, Any]:
-        """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises."""
+        """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises.
+
+        Only the leader runs jobs: on a follower this answers ``follower`` and does nothing."""
+        if not self.leadership.leading:
+            return {"job": job, "alias": alias, "status": "follower",
+                    "detail": "another replica runs the loop's jobs (the leader); this one follows the store"}
         return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
 
     async def _run(self, job: str, alias: str | None) -> dict[str, Any]:
@@ -184,12 +249,18 @@ class Loop:
         link, loop = self.state.store_link, self.settings.loop
         flight = (await link.op("serving"))[alias]["in_flight"]
         if flight is not None:
+            if self.settings.train.workers and flight["status"] == "training" and \
+                    time.time() - datetime.fromisoformat(flight["created_at"]).timestamp() > loop.train_timeout_s:
+                await link.op("record_failed_round", alias=alias, version=flight["version"],
+                              error=f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
+                return Outcome("failed", f"version {flight['version']}: no report from its trainer worker")
             return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
         pending = await link.op("pending", alias=alias)
-        scored, last = pending["scored_groups"], pending["last_trained_at"]
-        since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else self.started_at)
-        if scored < loop.min_groups and not (scored and since_last >= loop.train_every_s):
+        scored = pending["scored_groups"]
+        if not training_due(pending, loop, self.started_at):
             return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
+        if self.settings.train.workers:
+            return Outcome("waiting", f"{scored} scored groups wait for a trainer worker", {"scored_groups": scored})
         result = await self.child.run(alias)
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")
@@ -294,9 +365,10 @@ class Loop:
             return Outcome("ok", f"version {candidate} promoted by the canary", counts)
         shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
                  f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
-        await self.state.router.stop_canary(alias)
+        # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
         await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
                       reason=f"canary: {shown}, {test.pairs} pairs)")
+        await self.state.router.stop_canary(alias)
         return Outcome("ok", f"version {candidate} rejected by the canary", counts)
 
     async def _monitor(self, alias: str) -> Outcome:

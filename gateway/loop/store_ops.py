@@ -8,6 +8,7 @@ something JSON can carry. Blocking ones run on a worker thread; ``score`` is a c
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import statistics
@@ -118,8 +119,14 @@ def batch(store: Store, settings: Settings, alias: str, max_groups: int,
 @op("reserve_version")
 def reserve_version(store: Store, settings: Settings, alias: str, base_model: str, source: str = "trained",
                     status: str = "training", path: str | None = None,
-                    parent_version: int | None = None) -> dict[str, Any]:
-    with store.session() as session:
+                    parent_version: int | None = None, alone: bool = False) -> dict[str, Any]:
+    """The next version number, reserved. ``alone``: only while no other version of the alias is in flight,
+    checked and reserved as one step across every replica (trainer workers: one round at a time)."""
+    with store.session() as session, \
+            store.exclusive(session, f"reserve:{alias}") if alone else contextlib.nullcontext():
+        if alone and (flight := versions.in_flight(session, alias)) is not None:
+            raise versions.VersionError(f"{alias} already has version {flight.version} in flight ({flight.status}):"
+                                        " one round at a time")
         row = versions.reserve(session, alias, path_of=lambda n: adapter_dir(settings, alias, n),
                                base_model=base_model, source=source, status=status, path=path,
                                parent_version=parent_version)
@@ -190,10 +197,11 @@ def record_gate(store: Store, settings: Settings, alias: str, version: int, gate
 
 
 @op("recover")
-def recover(store: Store, settings: Settings) -> dict[str, int]:
-    """At start-up: runs and rounds that were in progress when the gateway stopped are recorded as such."""
+def recover(store: Store, settings: Settings, rounds: bool = True) -> dict[str, int]:
+    """When a gateway starts leading the loop: runs and rounds (with ``rounds``; trainer workers' are not the
+    gateway's) that were in progress when the last leader stopped are recorded as such."""
     with store.session() as session:
-        failed = versions.fail_stale(session)
+        failed = versions.fail_stale(session) if rounds else 0
         runs = list(session.exec(select(JobRun).where(JobRun.status == "running")))
         for run in runs:
             run.status, run.finished_at, run.error = "interrupted", utcnow(), "the gateway stopped during the run"

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from capture.recorder import Recorder, Spool
-from capture.store import Store
+from capture.store import Store, printable_url
 from gateway.api.common import json_response
 from gateway.api.error_handlers import install_error_handlers
 from gateway.auth import Authenticator
@@ -56,16 +56,20 @@ from gateway.store.state import StoreState
 log = logging.getLogger("flywheel.store")
 
 _CHUNK = 1 << 20  # ingest socket reads
+# What a turn waits for its parent on a shared store (capture.link_wait_s unset): another replica's batch_wait_s
+# (1 s), handoff and write, with room for a loaded machine.
+SHARED_LINK_WAIT_S = 5.0
 
 
 def open_state(settings: Settings) -> StoreState:
     """Open (or migrate, or refuse) the store and build the recorder around it."""
     store = open_store(settings)
     capture = settings.capture
+    link_wait_s = capture.link_wait_s if capture.link_wait_s is not None else SHARED_LINK_WAIT_S * store.shared
     limit_memory(store, capture.store_memory_mb)
     recorder = Recorder(store, Spool(settings.spool_path), redactor=redactor_for(settings),
                         queue_size=capture.queue_size, batch_size=capture.batch_size,
-                        batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s)
+                        batch_wait_s=capture.batch_wait_s, retry_s=capture.retry_s, link_wait_s=link_wait_s)
     return StoreState(settings=settings, auth=Authenticator.from_config(settings.auth), store=store,
                       recorder=recorder)
 
@@ -211,7 +215,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
         await ingest.start(ingest_socket)
         watchdog = asyncio.create_task(exit_with_parent(os.getppid()))
         tune_gc()  # last: everything the process keeps is allocated by now
-        log.info("flywheel store process ready: store=%s", settings.database)
+        log.info("flywheel store process ready: store=%s", printable_url(settings.database))
         try:
             yield
         finally:
