@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,7 +52,14 @@ def make_engine(config: LocalEngineConfig | OpenAIEngineConfig, settings: Settin
         return OpenAIUpstreamEngine(config)
     from gateway.engines.local import LocalEngine
 
-    return LocalEngine(config, settings.data_dir)
+    return LocalEngine(config, settings.data_dir, threads=decode_threads(config, settings))
+
+
+def decode_threads(config: LocalEngineConfig, settings: Settings) -> int:
+    """``engines.X.threads``, or the cores a training child (the loop's or the admin API's) leaves free (>= 1)."""
+    if config.threads:
+        return config.threads
+    return max(1, (os.cpu_count() or 1) - settings.loop.train_threads)
 
 
 def retire_after_s(settings: Settings) -> float:

@@ -82,6 +82,10 @@ class LocalEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
     default_max_tokens: int = Field(default=256, ge=1)  # a request without max_tokens or max_completion_tokens
     max_batch_n: int = Field(default=16, ge=1)  # largest n one request may ask for
+    # torch threads for decoding. 0: the cores a training child leaves free (all but loop.train_threads), at
+    # least 1 — a decode step split across a core the child holds waits for it
+    # (bench/loop.py: p99 11x idle while a round trained with 2 threads on 2 cores, 0.96x with 1).
+    threads: int = Field(default=0, ge=0)
 
 
 class OpenAIEngineConfig(BaseModel):

@@ -357,8 +357,7 @@ def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(10, 4.5), dpi=110)
-    colours = plt.get_cmap("tab10")
+    figure, axes = plt.subplots(figsize=(11, 4.8), dpi=110)
     by_version: dict[int, list[tuple[int, float]]] = {}
     own: dict[int, list[float]] = {}  # each version's moving average runs over its own episodes only
     for index, row in enumerate(rewards):
@@ -366,16 +365,21 @@ def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], 
         values.append(row["reward"])
         recent = values[-window:]
         by_version.setdefault(row["version"], []).append((index, sum(recent) / len(recent)))
+    latest = max(by_version, default=0)
+    colours = plt.get_cmap("viridis")  # later versions lighter: the progression reads at a glance
     for version, points in sorted(by_version.items()):
         xs, ys = zip(*points, strict=True)
         label = "warm start (version 0)" if version == 0 else f"version {version}"
-        axes.scatter(xs, ys, s=6, color=colours(version % 10), label=label)
+        axes.scatter(xs, ys, s=6, color=colours(0.9 * version / max(1, latest)), label=label)
     axes.set_xlabel("finished episodes (in the order they closed)")
     axes.set_ylabel(f"reward, moving average of the version's last {window}")
     axes.set_ylim(-0.02, 1.02)
-    decided = ", ".join(f"v{v['version']} {v['status']}" for v in versions if v["status"] != "training")
-    axes.set_title(f"flywheel demo: reward by serving version ({decided})", fontsize=9)
-    axes.legend(loc="lower right", fontsize=8)
+    decided: dict[str, int] = {}
+    for row in versions:
+        decided[row["status"]] = decided.get(row["status"], 0) + 1
+    axes.set_title("flywheel demo: reward by serving version — " + ", ".join(
+        f"{count} {status}" for status, count in sorted(decided.items())), fontsize=10)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, markerscale=2)
     figure.tight_layout()
     figure.savefig(out)
     plt.close(figure)

@@ -26,7 +26,7 @@ from gateway.engines.local.responses import (
     chat_response,
     completion_response,
 )
-from gateway.engines.local.runtime import Runtime, load_runtime
+from gateway.engines.local.runtime import Runtime, load_runtime, set_threads
 from gateway.engines.local.worker import Run, Step, Worker, call_on_worker
 from gateway.errors import BadRequest, UpstreamError
 
@@ -34,9 +34,10 @@ from gateway.errors import BadRequest, UpstreamError
 class LocalEngine:
     """The :class:`gateway.engines.base.Engine` for a model loaded in this process."""
 
-    def __init__(self, config: LocalEngineConfig, data_dir: Path) -> None:
+    def __init__(self, config: LocalEngineConfig, data_dir: Path, threads: int = 0) -> None:
         self.config = config
         self.data_dir = Path(data_dir)
+        self.threads = threads  # torch threads for decoding; 0: torch's default
         self._runtime: Runtime | None = None
         self._worker: Worker | None = None
         self._preparer: Preparer | None = None
@@ -51,6 +52,8 @@ class LocalEngine:
         runtime = await asyncio.to_thread(load_runtime, self.config, self.data_dir)
         self._worker = Worker()
         self._worker.start()
+        if self.threads:  # set on the thread that decodes: OpenMP's thread count is per calling thread
+            await call_on_worker(self._worker, lambda: set_threads(self.threads))
         self._preparer = Preparer(runtime, self.config)
         self._runtime = runtime
 

@@ -151,3 +151,8 @@ def load_runtime(config: LocalEngineConfig, data_dir: Path) -> Runtime:
     model.to(device).eval()
     log.info("local engine: %s on %s (%s)", source, device, dtype)
     return Runtime(model, tokenizer, device, Path(str(source)))
+
+
+def set_threads(count: int) -> None:
+    """Torch's intra-op threads for the calling thread's work (call it on the thread that decodes)."""
+    torch.set_num_threads(count)
