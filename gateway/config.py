@@ -228,6 +228,8 @@ class TrainConfig(BaseModel):
     # through the admin API; the loop never trains in a child process of its own (the gateway needs no torch),
     # gates what the workers report, and fails a round no worker reported within loop.train_timeout_s
     workers: bool = False
+    # A worker on another machine uploads each version (adapter + optimizer state) to the admin API: the largest
+    max_upload_mb: int = Field(default=4096, ge=1)
     # Which scored groups a round takes when more wait than max_groups: the newest were sampled by the policy
     # closest to the one being trained (GRPO's ratio near 1); "oldest" drains the backlog in arrival order.
     batch_order: Literal["newest", "oldest"] = "newest"

@@ -7,6 +7,7 @@ Every failure the HTTP API reports goes out as
      ├── BadRequest              400 invalid_request_error (names the field in ``param``)
      ├── Unauthorized            401 invalid_request_error / invalid_api_key
      ├── NotFound                404 invalid_request_error / model_not_found (and other unknown ids)
+     ├── Conflict                409 invalid_request_error (the object is not in a state that allows it)
      ├── PayloadTooLarge         413 invalid_request_error
      ├── UpstreamError           502 upstream_error (engine unreachable or failed)
      └── UpstreamTimeout         504 upstream_error / timeout
@@ -68,6 +69,14 @@ class NotFound(OpenAIError):
     status_code = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class Conflict(OpenAIError):
+    """The request is well formed, but the object it names is not in a state that allows it."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
 
 
 class PayloadTooLarge(OpenAIError):

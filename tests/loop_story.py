@@ -72,6 +72,7 @@ def report_round(gateway: GatewayProcess, metrics: dict[str, float]) -> int:
     path = Path(reserved["path"])
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (path / "adapter_model.safetensors").write_bytes(b"")  # the vLLM stand-in reads neither file's weights
     now = datetime.now(UTC).isoformat()
     result = {"status": "finished", "adapter_dir": str(path), "optimizer_state": None, "metrics": metrics,
               "steps": [], "config": {"learning_rate": 1e-5}, "group_ids": [], "skipped": {}, "base_model": BASE,

@@ -28,9 +28,10 @@ import json
 import os
 import re
 import shutil
+import tarfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -42,6 +43,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ROUND_FILE = "flywheel_round.json"
 OPTIMIZER_FILE = "optimizer.pt"
+# Every file a version holds: the only names an archive may carry (optimizer.pt is read with weights_only=True)
+VERSION_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ROUND_FILE, OPTIMIZER_FILE)
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -104,6 +107,52 @@ def publish(staging: str | Path, out_dir: str | Path) -> Path:
         out.rmdir()  # rename(2) would replace an empty directory too, but not on every platform
     os.replace(staging, out)
     return out
+
+
+def pack(directory: str | Path, out: IO[bytes]) -> list[str]:
+    """Write a version's files to ``out`` as an uncompressed tar (safetensors do not compress); the names written."""
+    names = [name for name in VERSION_FILES if (Path(directory) / name).is_file()]
+    with tarfile.open(fileobj=out, mode="w|") as tar:
+        for name in names:
+            tar.add(Path(directory) / name, arcname=name, recursive=False)
+    return names
+
+
+def unpack(archive: IO[bytes], out_dir: str | Path) -> list[str]:
+    """Extract a version archive (``pack``'s output) into ``out_dir`` (absent or empty) through a staging sibling.
+
+    Only ``VERSION_FILES``, each once and as a regular file: no paths, links or other names, so an archive
+    cannot write anywhere else or bring code. Raises :class:`AdapterError` naming what is wrong.
+    """
+    staging = staging_dir(out_dir)
+    try:
+        names: list[str] = []
+        with tarfile.open(fileobj=archive, mode="r|") as tar:
+            for member in tar:
+                if member.name not in VERSION_FILES or not member.isfile() or member.name in names:
+                    raise AdapterError(f"archive member {member.name!r} is not allowed: a version archive holds "
+                                       f"each of {', '.join(VERSION_FILES)} at most once, as plain files")
+                source = tar.extractfile(member)
+                assert source is not None  # a regular file always has a reader
+                with (staging / member.name).open("wb") as target:
+                    shutil.copyfileobj(source, target)
+                names.append(member.name)
+        _check_lora_config(staging / ADAPTER_CONFIG)
+        publish(staging, out_dir)
+        return names
+    except tarfile.TarError as exc:
+        raise AdapterError(f"not a tar archive of an adapter version: {exc}") from None
+    finally:
+        discard(staging)
+
+
+def _check_lora_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{ADAPTER_CONFIG} is missing or not JSON: {exc}") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise AdapterError(f"{ADAPTER_CONFIG} is not a PEFT LoRA config (peft_type must be \"LORA\")")
 
 
 def discard(path: str | Path) -> None:

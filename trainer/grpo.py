@@ -428,7 +428,7 @@ def _load_optimizer_state(trainer: Any, path: str | Path | None) -> str:
     import torch
 
     trainer.create_optimizer()
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no code
     if saved.get("param_names") != _optimizer_param_names(trainer):
         warnings.warn(f"optimizer state {path} was saved for other parameters: starting fresh", stacklevel=2)
         return "mismatch"

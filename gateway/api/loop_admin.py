@@ -78,7 +78,8 @@ async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
         "pending": await link.op("pending", alias=alias),
         "jobs": last_runs,
         "reward_by_version": await link.op("reward_by_version", alias=alias),
-        "loop": {"enabled": state.settings.loop.enabled, "gate": state.settings.loop.gate.offline,
+        "loop": {"enabled": state.settings.loop.enabled, "workers": state.settings.train.workers,
+                 "gate": state.settings.loop.gate.offline,
                  "canary": state.settings.loop.canary.enabled, "monitor": state.settings.loop.monitor.enabled},
     }
 

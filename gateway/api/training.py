@@ -8,21 +8,33 @@
     POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
     POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
     POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
+    GET  /flywheel/v1/training/adapters/{alias}/{version}                   a version's files, as a tar
+    PUT  /flywheel/v1/training/adapters/{alias}/{version}  (tar body)       a reserved version's files, from a
+                                                                            worker with no shared filesystem
+
+The archive is ``trainer/adapters.py: pack``'s: the PEFT adapter, its round file and optimizer state,
+nothing else (``unpack`` refuses any other member). An uploaded version lands in the directory the
+gateway reserved for it; a round report never names where its files are.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
 from dataclasses import asdict
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
-from starlette.responses import Response
+from starlette.background import BackgroundTask
+from starlette.responses import FileResponse, Response
 
 from gateway.api.admin import alias_info
 from gateway.api.common import json_response, read_body
 from gateway.api.openapi import ERRORS, json_body, query
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from gateway.loop.promotion import promote_version
 from gateway.loop.training import base_model_path, grpo_args
 from gateway.protocol import parse_json_object, validate_request
@@ -132,3 +144,57 @@ async def post_failure(request: Request) -> Response:
     state, report = await _admin_body(request, FailureReport)
     state.router.get(report.alias)
     return json_response(await state.store_link.op("record_failed_round", **report.model_dump(mode="json")))
+
+
+async def _version_row(request: Request, alias: str, version: int) -> tuple[GatewayState, dict[str, Any]]:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    state.router.get(alias)
+    rows = await state.store_link.op("versions", alias=alias)
+    row = next((r for r in rows if r["version"] == version), None)
+    if row is None:
+        raise NotFound(f"{alias} has no version {version}.", param="version", code="version_not_found")
+    return state, row
+
+
+@router.get("/adapters/{alias}/{version}", responses=ERRORS)
+async def download_adapter(alias: str, version: int, request: Request) -> Response:
+    """A version's files as a tar: the adapter a worker on another machine continues from."""
+    from trainer import adapters
+
+    _, row = await _version_row(request, alias, version)
+    if not adapters.is_complete(row["path"]):
+        raise NotFound(f"{alias} version {version} has no adapter files ({row['status']}).", param="version",
+                       code="version_not_found")
+    fd, archive = tempfile.mkstemp(suffix=".tar")
+    with os.fdopen(fd, "wb") as out:
+        await asyncio.to_thread(adapters.pack, row["path"], out)
+    return FileResponse(archive, media_type="application/x-tar", filename=f"{alias}-{version}.tar",
+                        background=BackgroundTask(os.unlink, archive))
+
+
+@router.put("/adapters/{alias}/{version}", responses=ERRORS)
+async def upload_adapter(alias: str, version: int, request: Request) -> Response:
+    """A reserved version's files (``status`` ``training``), written once into the directory reserved for it."""
+    from trainer import adapters
+
+    state, row = await _version_row(request, alias, version)
+    if row["status"] != "training" or adapters.is_complete(row["path"]):
+        state_now = "uploaded already" if row["status"] == "training" else row["status"]
+        raise Conflict(f"{alias} version {version} is {state_now}: only a reserved version (training) takes an "
+                       "upload, once.", param="version", code="version_not_training")
+    limit = state.settings.train.max_upload_mb * 1024 * 1024
+    Path(row["path"]).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=Path(row["path"]).parent) as spool:  # beside it: the same filesystem
+        size = 0
+        async for chunk in request.stream():  # to disk, not memory: an adapter with its optimizer state is large
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The upload is over train.max_upload_mb ({state.settings.train.max_upload_mb}).")
+            await asyncio.to_thread(spool.write, chunk)
+        spool.seek(0)
+        try:
+            names = await asyncio.to_thread(adapters.unpack, spool, row["path"])
+        except adapters.AdapterError as exc:
+            raise BadRequest(f"Invalid adapter upload: {exc}", param="body") from None
+    return json_response({"alias": alias, "version": version, "files": names, "bytes": size})

@@ -8,7 +8,8 @@ every command (``gateway/cli/common.py: locate``).
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -28,6 +29,9 @@ from gateway.cli.common import (
     locate,
     open_store,
 )
+
+if TYPE_CHECKING:
+    from gateway.loop.rounds import RoundOutcome
 
 
 def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
@@ -101,6 +105,8 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
               help="Train on these scored groups only (comma-separated ids).")] = None,
           promote: Annotated[bool, typer.Option(help="Serve the new adapter at once (no evaluation gate).")] = False,
           threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+          workdir: Annotated[Path | None, typer.Option(
+              help="With a gateway on another machine: train in this directory and upload the adapter.")] = None,
           json_: Annotated[bool, typer.Option("--json", help="End with one JSON line: status, version, metrics.")
                            ] = False,
           set_: Annotated[list[str] | None, typer.Option(
@@ -116,20 +122,22 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     settings = location.settings
     if location.url is None and alias not in settings.aliases:  # a gateway checks the alias itself
         fail(f"--alias: no alias named {alias!r} in the configuration")
-    overrides = _field_values(set_ or [])
+    overrides = field_values(set_ or [])
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     store = None
     where: Where
+    if workdir is not None and location.url is None:
+        fail("--workdir uploads to a running gateway: give --gateway URL")
     if location.url is not None:
-        where = AdminApi(location.url, location.admin_key)
+        where = AdminApi(location.url, location.admin_key, workdir=workdir)
     else:
         store = open_store(location.database or settings.database)
         where = StoreFile(store, settings)
     try:
-        outcome = run_round(where, alias, max_groups=max_groups or settings.train.max_groups,
+        outcome = run_round(where, alias, max_groups=max_groups,
                             overrides=overrides, promote=promote,
                             group_ids=[g for g in group_ids.split(",") if g] if group_ids else None)
     except (RoundError, TypeError, ValueError) as exc:  # TypeError: an unknown --set field
@@ -139,14 +147,8 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
             store.close()
     if outcome.status == "nothing":
         typer.echo(f"nothing to train: no scored groups for {alias} (run flywheel groups and flywheel score)")
-    elif outcome.status != "finished":
-        typer.echo(f"version {outcome.version} skipped: nothing trainable ({outcome.result.skipped})")
     else:
-        metrics = outcome.result.metrics
-        typer.echo(f"version {outcome.version} written to {outcome.result.adapter_dir}: "
-                   f"{len(outcome.result.group_ids)} groups, loss {metrics.get('losses/loss', float('nan')):.4f}, "
-                   f"reward mean {metrics.get('reward/mean', float('nan')):.3f}"
-                   + (", promoted" if promote else ", candidate"))
+        typer.echo(describe_round(outcome, promote))
     if json_:
         import json
 
@@ -156,7 +158,17 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
                                "metrics": result.metrics if result else {}}))
 
 
-def _field_values(pairs: list[str]) -> dict[str, Any]:
+def describe_round(outcome: RoundOutcome, promote: bool) -> str:
+    """One line for a round that trained or skipped."""
+    if outcome.status != "finished":
+        return f"version {outcome.version} skipped: nothing trainable ({outcome.result.skipped})"
+    metrics = outcome.result.metrics
+    return (f"version {outcome.version} written to {outcome.result.adapter_dir}: {len(outcome.result.group_ids)} "
+            f"groups, loss {metrics.get('losses/loss', float('nan')):.4f}, reward mean "
+            f"{metrics.get('reward/mean', float('nan')):.3f}" + (", promoted" if promote else ", candidate"))
+
+
+def field_values(pairs: list[str]) -> dict[str, Any]:
     """``["max_steps=8", "loss_type=grpo"]`` -> typed values (JSON where it parses, else the string)."""
     import json
 

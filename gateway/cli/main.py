@@ -16,7 +16,7 @@ from typing import Annotated
 import httpx
 import typer
 
-from gateway.cli import autorl, demo, export_adapter, jobs, loop
+from gateway.cli import autorl, demo, export_adapter, jobs, loop, worker
 from gateway.cli.common import ConfigOption, fail, settings_or_exit
 from gateway.cli.trajectories import trajectories_app
 from gateway.log_setup import configure_logging
@@ -30,6 +30,7 @@ app.add_typer(trajectories_app, name="trajectories")
 app.command("groups")(jobs.groups)
 app.command("score")(jobs.score)
 app.command("train")(jobs.train)
+app.command("trainer")(worker.trainer)
 app.command("status")(loop.status)
 app.command("versions")(loop.versions)
 app.command("promote")(loop.promote)

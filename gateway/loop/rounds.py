@@ -1,19 +1,27 @@
 """One training round, start to end, as a process of its own: ``flywheel train`` and the loop's training child.
 
     batch = where.batch(alias, max_groups)            # scored groups, base weights, the version serving now
+    init = where.readable(alias, batch.current)       # that version's adapter, on this machine
     reserved = where.reserve(alias)                   # the store hands out the version number and directory
-    result = train_round(...)                         # trainer/grpo.py, into that directory
+    result = train_round(...)                         # trainer/grpo.py, into where.writable(...)
+    where.publish(...)                                # a worker's files go to the gateway (an upload)
     where.record(...)  or  where.fail(...)            # the version becomes a candidate (or failed)
 
 ``where`` is the running gateway's admin API (:class:`AdminApi`) or the store file when no
 gateway runs (:class:`StoreFile`); both speak the same shapes, so the round is one function.
+A worker that shares no filesystem with the gateway (``AdminApi(..., workdir=DIR)``) downloads
+the version it continues from and uploads the one it trains; otherwise the files are read and
+written where the gateway keeps them (one machine, or a shared volume).
 A round that raises is recorded as failed and its groups stay for the next round; a process
 that dies without a word (killed, out of memory) is recorded by whoever started it.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -34,9 +42,15 @@ class Batch:
 
 
 class Where(Protocol):
-    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch: ...
+    def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch: ...
+
+    def readable(self, alias: str, current: dict[str, Any] | None) -> str | None: ...
 
     def reserve(self, alias: str, batch: Batch) -> dict[str, Any]: ...
+
+    def writable(self, alias: str, reserved: dict[str, Any]) -> str: ...
+
+    def publish(self, alias: str, version: int, out_dir: str) -> None: ...
 
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None: ...
 
@@ -46,10 +60,11 @@ class Where(Protocol):
 class AdminApi:
     """A running gateway's ``/flywheel/v1/training`` routes."""
 
-    def __init__(self, url: str, admin_key: str | None, timeout_s: float = 3600.0) -> None:
+    def __init__(self, url: str, admin_key: str | None, timeout_s: float = 3600.0, workdir: Path | None = None) -> None:
         headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.client = httpx.Client(base_url=url.rstrip("/") + "/flywheel/v1/training", headers=headers,
                                    timeout=timeout_s)
+        self.workdir = workdir  # None: the gateway's adapter directory is reachable here (a shared volume)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -64,16 +79,59 @@ class AdminApi:
             raise RoundError(f"gateway answered {response.status_code}: {message}")
         return response.json()
 
-    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch:
-        params = {"alias": alias, "max_groups": str(max_groups)}
+    def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
+        params = {"alias": alias} | ({"max_groups": str(max_groups)} if max_groups else {})  # else the gateway's
         if group_ids:
             params["group_ids"] = ",".join(group_ids)
         body = self._call("GET", "/batch", params=params)
         return Batch(body["groups"], body["base_model"], body["current"], body["args"])
 
+    def readable(self, alias: str, current: dict[str, Any] | None) -> str | None:
+        if self.workdir is None:
+            return current["path"] if current else None
+        scratch = self.workdir / alias  # each round of an alias starts here and replaces the last one's files
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        if current is None:
+            return None
+        local = scratch / "current"
+        from trainer import adapters
+
+        with tempfile.TemporaryFile(dir=scratch) as archive:
+            try:
+                with self.client.stream("GET", f"/adapters/{alias}/{current['version']}") as response:
+                    if response.status_code != 200:
+                        response.read()
+                        raise RoundError(f"gateway answered {response.status_code} for version "
+                                         f"{current['version']}: {response.text[:200]}")
+                    for chunk in response.iter_bytes():
+                        archive.write(chunk)
+            except httpx.HTTPError as exc:
+                raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
+            archive.seek(0)
+            try:
+                adapters.unpack(archive, local)
+            except adapters.AdapterError as exc:
+                raise RoundError(f"version {current['version']} from the gateway: {exc}") from None
+        return str(local)
+
     def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
         row: dict[str, Any] = self._call("POST", "/versions", json={"alias": alias})  # the gateway knows the rest
         return row
+
+    def writable(self, alias: str, reserved: dict[str, Any]) -> str:
+        return reserved["path"] if self.workdir is None else str(self.workdir / alias / str(reserved["version"]))
+
+    def publish(self, alias: str, version: int, out_dir: str) -> None:
+        if self.workdir is None:
+            return  # written where the gateway reads it
+        from trainer import adapters
+
+        with tempfile.TemporaryFile(dir=Path(out_dir).parent) as archive:
+            adapters.pack(out_dir, archive)
+            archive.seek(0)
+            self._call("PUT", f"/adapters/{alias}/{version}", content=archive,
+                       headers={"content-type": "application/x-tar"})
 
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
         adapter: dict[str, Any] | None = self._call("POST", "/rounds", json=report)["adapter_version"]
@@ -90,7 +148,7 @@ class StoreFile:
     def __init__(self, store: Any, settings: Settings) -> None:
         self.store, self.settings = store, settings
 
-    def batch(self, alias: str, max_groups: int, group_ids: list[str] | None) -> Batch:
+    def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
         from dataclasses import asdict
 
         from gateway.loop import store_ops
@@ -100,16 +158,26 @@ class StoreFile:
             base = base_model_path(self.settings, alias)
         except ValueError as exc:
             raise RoundError(str(exc)) from None
-        groups = store_ops.batch(self.store, self.settings, alias, max_groups, group_ids)
+        groups = store_ops.batch(self.store, self.settings, alias, max_groups or self.settings.train.max_groups,
+                                 group_ids)
         serving = store_ops.serving(self.store, self.settings)[alias]["serving"]
         current = {"version": serving["version"], "path": serving["path"]} if serving else None
         return Batch(groups, base, current, asdict(grpo_args(self.settings, base)))
+
+    def readable(self, alias: str, current: dict[str, Any] | None) -> str | None:
+        return current["path"] if current else None
 
     def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
         from gateway.loop import store_ops
 
         return store_ops.reserve_version(self.store, self.settings, alias, base_model=batch.base_model,
                                          parent_version=batch.current["version"] if batch.current else None)
+
+    def writable(self, alias: str, reserved: dict[str, Any]) -> str:
+        return str(reserved["path"])
+
+    def publish(self, alias: str, version: int, out_dir: str) -> None:
+        pass  # written in place
 
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
         from gateway.loop import store_ops
@@ -130,7 +198,7 @@ class RoundOutcome:
     groups: int
 
 
-def run_round(where: Where, alias: str, *, max_groups: int, overrides: dict[str, Any], promote: bool = False,
+def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: dict[str, Any], promote: bool = False,
               group_ids: list[str] | None = None) -> RoundOutcome:
     """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised."""
     from capture.batches import TrainingGroup
@@ -144,14 +212,16 @@ def run_round(where: Where, alias: str, *, max_groups: int, overrides: dict[str,
     args = GRPOArgs(**{**batch.args, **overrides})
     groups = [TrainingGroup.from_json(g) for g in batch.groups]
     batch_ids = [g.group_id for g in groups]
+    init = where.readable(alias, batch.current)  # before reserving: a failed download uses up no version number
     reserved = where.reserve(alias, batch)
-    version, out_dir = reserved["version"], reserved["path"]
-    init = batch.current["path"] if batch.current else None
+    version, out_dir = reserved["version"], where.writable(alias, reserved)
     try:
         from trainer.grpo import train_round
 
         result = train_round(batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
                              optimizer_state=adapters.optimizer_state_of(init))
+        if result.status == "finished":
+            where.publish(alias, version, out_dir)
     except Exception as exc:
         adapters.discard(out_dir)
         where.fail(alias, version, f"{type(exc).__name__}: {exc}", batch_ids)

@@ -13,7 +13,7 @@ loop's gate decides (docs/loop.md).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -100,9 +100,15 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
     trainer skipped it (equal rewards, wrong size, too long) — so no group is trained twice and none
     is fetched again forever. A skipped round (nothing trainable) fails its reserved version.
     """
-    from trainer.adapters import record_round
+    from trainer.adapters import OPTIMIZER_FILE, is_complete, record_round
 
     with Session(store.engine, expire_on_commit=False) as session:
+        if result.adapter_dir is not None:  # the files are where the gateway reserved them, whatever the report says
+            written = Path(versions.get(session, alias, version).path)
+            if not is_complete(written):
+                raise versions.VersionError(f"{alias} version {version} has no adapter in its directory: write it "
+                                            "there or upload it first (PUT /flywheel/v1/training/adapters/...)")
+            result = replace(result, adapter_dir=written, optimizer_state=written / OPTIMIZER_FILE)
         _, adapter = record_round(session, result, alias=alias, base_model=result.base_model, version=version,
                                   parent_version=parent_version, commit=False)
         trained = set(result.group_ids)
