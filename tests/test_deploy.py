@@ -40,7 +40,8 @@ def flywheel_commands(script: str) -> list[list[str]]:
         words = list(lexer)
         at_start = True  # where a command name stands: first, after an operator, after VAR=value words
         for index, word in enumerate(words):
-            starts, at_start = at_start, word in SHELL_ENDS or (at_start and "=" in word and word[0] != "-")
+            starts, at_start = at_start, word in SHELL_ENDS or (at_start and ("=" in word and word[0] != "-"
+                                                                                  or word == "exec"))
             if starts and (word == "flywheel" or word.endswith("/bin/flywheel")):
                 command = []
                 for token in words[index + 1:]:
@@ -152,6 +153,7 @@ def test_the_checks_catch_what_does_not_exist() -> None:
         ["train", "--alias", "a"]]
     assert flywheel_commands("sky launch -c flywheel task.yaml\nK=v ~/env/bin/flywheel serve --port 1") == [
         ["serve", "--port", "1"]]
+    assert flywheel_commands('exec flywheel trainer --gateway "$URL"') == [["trainer", "--gateway", "$URL"]]
 
 
 # -- the files -----------------------------------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def test_gateway_image_is_slim_non_root_and_health_checked() -> None:
     check_environment(envs)
 
 
-def test_trainer_image_has_cuda_torch_and_runs_flywheel_train() -> None:
+def test_trainer_image_has_cuda_torch_and_runs_the_trainer_worker() -> None:
     steps = dockerfile(DEPLOY / "Dockerfile.trainer")
     assert next(args for instruction, args in steps if instruction == "FROM").startswith("nvidia/cuda:")
     users = [args for instruction, args in steps if instruction == "USER"]
@@ -200,7 +202,7 @@ def test_trainer_image_has_cuda_torch_and_runs_flywheel_train() -> None:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
     (cmd,) = [exec_form(args) for instruction, args in steps if instruction == "CMD"]
     commands = flywheel_commands(cmd)
-    assert [c[0] for c in commands] == ["train"] and "--gateway" in commands[0]
+    assert [c[0] for c in commands] == ["trainer"] and "--gateway" in commands[0]
     for command in commands:
         check_command(command)
 
@@ -236,7 +238,7 @@ def test_compose_has_the_stack_with_health_checks_and_a_shared_adapter_volume() 
             script = command[2] if command[:2] == ["sh", "-c"] else shlex.join(command)
             for words in flywheel_commands(script):
                 check_command(words)
-    assert [c[0] for c in flywheel_commands(services["trainer"]["command"][2])] == ["train"]
+    assert [c[0] for c in flywheel_commands(services["trainer"]["command"][2])] == ["trainer"]
 
 
 def test_skypilot_task_runs_vllm_with_lora_and_the_gateway() -> None:
