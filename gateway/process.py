@@ -48,13 +48,16 @@ def wait_until_answering(url: str, process: subprocess.Popen[Any] | None = None,
     import httpx  # here, not at the top: the store process imports this module and needs no HTTP client
 
     deadline = time.monotonic() + timeout_s
+    last_status: int | None = None
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise NotAnswering(f"the process exited with status {process.returncode} before {url}{path} answered")
         try:
-            if httpx.get(url + path, timeout=2.0).is_success or not require_ok:
+            last_status = httpx.get(url + path, timeout=2.0).status_code
+            if not require_ok or 200 <= last_status < 300:
                 return
         except httpx.TransportError:  # not listening yet, or too busy starting to answer
             pass
         time.sleep(0.1)  # a bounded poll of another process: the deadline ends it
-    raise NotAnswering(f"{url}{path} did not answer within {timeout_s:g} s")
+    answered = f" with a 2xx (last answer: {last_status})" if last_status is not None else ""
+    raise NotAnswering(f"{url}{path} did not answer{answered} within {timeout_s:g} s")
