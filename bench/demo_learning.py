@@ -51,6 +51,7 @@ from gateway.engines.toolcalls import parse_tool_calls
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from examples.demo import task
 from gateway.cli.demo import TINY_TRAIN_ARGS
+from gateway.process import NotAnswering, free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS_MIN = (2.0, 5.0, 8.0)  # loop-clock minutes at which the summary reads the curve
@@ -291,17 +292,13 @@ def gateway_episode_cost(model: Path, episodes: int, work: Path, seed: int) -> d
     episodes per wall second (which depends on what else the machine runs).
     """
     import asyncio
-    import socket
 
-    import httpx
     import psutil
 
     from examples.demo.agent import Args as AgentArgs
     from examples.demo.agent import Summary, run_agent
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = work / "gateway.toml"
     config.write_text(f'data_dir = "{work / "gateway-data"}"\nlog_level = "warning"\n'
                       f'[engines.local]\nmodel = "{model}"\n[aliases.demo]\nengine = "local"\n')
@@ -310,14 +307,10 @@ def gateway_episode_cost(model: Path, episodes: int, work: Path, seed: int) -> d
         server = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
                                    str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:
-            try:
-                httpx.get(f"{url}/healthz", timeout=2.0)
-                break
-            except httpx.TransportError:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the gateway exited: see {work / 'gateway.log'}") from None
-                time.sleep(0.2)
+        try:
+            wait_until_answering(url, server, timeout_s=300.0)
+        except NotAnswering as exc:
+            raise RuntimeError(f"the gateway did not start: {exc}: see {work / 'gateway.log'}") from exc
         processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
 
         def cpu() -> float:

@@ -58,9 +58,10 @@ from pathlib import Path
 from typing import Any
 
 import httptools
-import httpx
 import orjson
 import psutil
+
+from gateway.process import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CAPTURE = "flywheel, capture off"  # the same gateway, asked per request not to record the turn
@@ -130,12 +131,6 @@ def parse_args() -> Args:
 # TRY NOT TO MODIFY: processes (free loopback ports, Popen handles, bounded readiness polls)
 # ---------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class Server:
     """A server subprocess we started; stopped by its handle, never by name."""
@@ -156,18 +151,11 @@ class Server:
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
         """Poll ``path`` until it answers 2xx; raise with the log tail if it exits or times out."""
-        url = f"http://127.0.0.1:{self.port}{path}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(url, timeout=2.0).is_success:
-                    return
-            except httpx.TransportError:  # not listening yet, or too busy starting to answer
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} did not answer {path} within {timeout_s:g} s:\n{self.log_tail()}")
+        try:
+            wait_until_answering(f"http://127.0.0.1:{self.port}", self.proc, timeout_s=timeout_s, require_ok=True,
+                                 path=path)
+        except NotAnswering as exc:
+            raise RuntimeError(f"{self.name}: {exc}:\n{self.log_tail()}") from exc
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from gateway.process import free_port, wait_until_answering
+
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "Who are you?"}]
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-loop-") as scratch:
         root = Path(scratch)
         model = build_model(root)
-        port = _free_port()
+        port = free_port()
         config = root / "flywheel.toml"
         config.write_text(f"""data_dir = "{root / 'data'}"
 log_level = "warning"
@@ -161,7 +163,7 @@ enabled = false
                                     str(port)], cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait(url)
+            wait_until_answering(url, gateway, timeout_s=300.0, require_ok=True)
             capture_groups(url, args.groups, rng)
             load = Load(url, args.clients, args.max_tokens)
             load.start()
@@ -222,26 +224,6 @@ def _round_end_to_serving(database: Path, version: int, serving_since: datetime)
             return (serving_since - run.finished_at).total_seconds()
     finally:
         store.close()
-
-
-def _wait(url: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"gateway at {url} did not start")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from gateway.process import NotAnswering, free_ports, wait_until_answering
+
 CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Quito", "Accra", "Perth", "Turin", "Hanoi", "Cusco")
 SYSTEM = {"role": "system", "content": "You are a travel agent. Use the weather tool before you answer."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.",
@@ -241,7 +243,7 @@ def store_memory(gateway: psutil.Process) -> dict[str, Any]:
 # -- the run -------------------------------------------------------------------------------------------------
 
 def start(args: Args, workdir: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]:
-    upstream_port, judge_port, gateway_port = _free_ports(3)
+    upstream_port, judge_port, gateway_port = free_ports(3)
     stand_ins = subprocess.Popen([sys.executable, "-m", "bench.soak", "--stand-ins", str(upstream_port),
                                   str(judge_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = workdir / "flywheel.toml"
@@ -270,45 +272,21 @@ train_every_s = 1000000000
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     if args.trace_malloc:
         env["PYTHONTRACEMALLOC"] = str(args.trace_malloc)
-    _wait_listening(upstream_port)
+    try:
+        wait_until_answering(f"http://127.0.0.1:{upstream_port}", stand_ins, timeout_s=60.0, path="/v1/models")
+    except NotAnswering as exc:
+        raise SystemExit(f"the stand-ins did not start: {exc}") from exc
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
                                 "--port", str(gateway_port)], env=env, stdout=(workdir / "gateway.log").open("wb"),
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{gateway_port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            ready = httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-            if ready and _store_process(psutil.Process(gateway.pid)):
-                return stand_ins, gateway, url
-        except httpx.HTTPError:
-            pass
-        if gateway.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the gateway did not start: {(workdir / 'gateway.log').read_text()[-2000:]}")
-        time.sleep(0.2)
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [int(sock.getsockname()[1]) for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-def _wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("the stand-ins did not start")
+    try:
+        wait_until_answering(url, gateway, timeout_s=120.0, require_ok=True)
+    except NotAnswering as exc:
+        raise SystemExit(f"the gateway did not start: {exc}: {(workdir / 'gateway.log').read_text()[-2000:]}") from exc
+    if _store_process(psutil.Process(gateway.pid)) is None:  # started before the gateway answers
+        raise SystemExit(f"the gateway has no store process: {(workdir / 'gateway.log').read_text()[-2000:]}")
+    return stand_ins, gateway, url
 
 
 def lost_turns(database: Path, conversations: list[Sent]) -> dict[str, int]:

@@ -6,14 +6,12 @@ import atexit
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import ClassVar
 
-import httpx
 import psutil
 
-from tests.scripted_openai import free_port
+from gateway.process import NotAnswering, free_port, wait_until_answering
 
 
 class GatewayProcess:
@@ -54,18 +52,13 @@ class GatewayProcess:
                 [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_file),
                  "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
         GatewayProcess.running.add(self)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log_file.read_text()}")
-            try:
-                httpx.get(self.url + "/healthz", timeout=2.0)
-                self.children = psutil.Process(self.proc.pid).children(recursive=True)
-                return self
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"gateway did not answer within {timeout_s} s:\n{self.log_file.read_text()}")
+        try:
+            wait_until_answering(self.url, self.proc, timeout_s=timeout_s)
+        except NotAnswering as exc:
+            self.stop()
+            raise RuntimeError(f"the gateway did not start: {exc}:\n{self.log_file.read_text()}") from exc
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        return self
 
     @property
     def store_process(self) -> psutil.Process:

@@ -35,7 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.scripted_openai import LoopbackServer, free_port
+from gateway.process import free_port
+from tests.scripted_openai import LoopbackServer
 
 TRAJECTORY_BLOCK = re.compile(r'<trajectory id="([^"]+)">\n(.*?)\n</trajectory>', re.DOTALL)
 FAULTS = frozenset({"malformed", "fenced", "wrong_count", "unknown_id", "out_of_range", "http500", "http400",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 import uuid
@@ -26,6 +25,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+
+from gateway.process import free_port
 
 
 @dataclass
@@ -43,12 +44,6 @@ class Reply:
 def sample_text(content: str | None, index: int) -> str | None:
     """The text of choice ``index``: the scripted content, marked for every sample after the first."""
     return content if index == 0 or content is None else f"{content} (sample {index})"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LoopbackServer:

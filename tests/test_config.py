@@ -19,8 +19,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
+from gateway.process import free_port
 from tests.gateway_process import GatewayProcess
-from tests.scripted_openai import LoopbackServer, ScriptedOpenAI, free_port
+from tests.scripted_openai import LoopbackServer, ScriptedOpenAI
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "flywheel.example.toml"
 

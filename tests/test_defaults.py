@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.scripted_openai import free_port
+from gateway.process import free_port
 
 
 def flywheel(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

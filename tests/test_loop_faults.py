@@ -14,10 +14,11 @@ import openai
 import psutil
 import pytest
 
+from gateway.process import free_port
 from tests.colour_task import ANSWERS, PROMPT, reward_of
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
-from tests.scripted_openai import Reply, ScriptedOpenAI, free_port
+from tests.scripted_openai import Reply, ScriptedOpenAI
 from tests.test_loop_versions import CANARY, admin, converse, fake_adapter, status
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for

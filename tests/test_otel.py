@@ -28,8 +28,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.observability.completions import unix_ns
+from gateway.process import free_port
 from tests.gateway_process import GatewayProcess
-from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI, free_port
+from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI
 from tests.waiting import wait_for
 
 ADMIN = {"authorization": "Bearer admin"}

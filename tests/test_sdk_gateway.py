@@ -29,11 +29,11 @@ import openai
 import pytest
 from flywheel.rewards import ruler_score_group
 
+from gateway.process import free_port
 from judge import JudgeCallError
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
-from tests.scripted_openai import free_port
 
 QUESTION = [{"role": "user", "content": "Pick a number."}]
 

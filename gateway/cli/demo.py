@@ -47,6 +47,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from gateway.cli.common import fail
+from gateway.process import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
@@ -126,14 +127,14 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
                                    canary_pairs=canary_pairs))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)}
-    port = _free_port()
+    port = free_port()
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
                                 str(port)], stdout=subprocess.DEVNULL, stderr=(demo_dir / "gateway.log").open("wb"),
                                env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     board = Board()
     try:
-        _wait_ready(gateway, url, demo_dir)
+        _wait_ready(gateway, url, demo_dir / "gateway.log")
         console.print(f"gateway ready at {url} (log {demo_dir / 'gateway.log'}); starting the agent")
         agent = subprocess.Popen(
             [sys.executable, "-m", "examples.demo.agent", "--base-url", f"{url}/v1", "--episodes",
@@ -238,27 +239,13 @@ on_max = "promote"
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_ready(gateway: subprocess.Popen[bytes], url: str, demo_dir: Path, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gateway.poll() is not None:
-            tail = (demo_dir / "gateway.log").read_text(errors="replace")[-2000:]
-            fail(f"the gateway exited with {gateway.returncode}: {tail.strip().splitlines()[-1] if tail else ''}")
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    fail(f"the gateway did not answer within {timeout_s:.0f} s (log {demo_dir / 'gateway.log'})")
+def _wait_ready(gateway: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Wait until the gateway serves; if it does not, a one-line CLI error with the log's last line."""
+    try:
+        wait_until_answering(url, gateway, timeout_s=300.0, require_ok=True)
+    except NotAnswering as exc:
+        lines = log.read_text(errors="replace").strip().splitlines()
+        fail(f"the gateway did not start: {exc}: {lines[-1] if lines else '(empty log)'} (log {log})")
 
 
 def _read_agent(agent: subprocess.Popen[str], board: Board) -> None:

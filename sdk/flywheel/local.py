@@ -25,15 +25,11 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
 import weakref
 from pathlib import Path
 from types import TracebackType
-
-import httpx
 
 from flywheel.backend import Closed, Gateway
 from flywheel.errors import GatewayStartError, MissingExtraError
@@ -44,12 +40,6 @@ __all__ = ["LocalBackend"]
 _SERVER_MODULES = ("gateway", "fastapi", "uvicorn", "duckdb", "sqlmodel", "litellm")
 _TRAIN_MODULES = ("torch", "transformers", "peft", "trl")
 _STOP_WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def check_installed() -> None:
@@ -80,7 +70,8 @@ def _toml(value: str) -> str:
 
 
 class LocalBackend(Gateway):
-    """A backend that runs its own gateway (see the module docstring).
+    """A backend that runs its own gateway (see the module docstring); making one raises
+    :class:`MissingExtraError` when ``flywheel-rl[train]`` is not installed.
 
     Args:
         path: where the gateway keeps its configuration, log and data (default ``./.flywheel``).
@@ -94,6 +85,9 @@ class LocalBackend(Gateway):
     def __init__(self, *, path: str | os.PathLike[str] | None = None, port: int | None = None,
                  vllm_base_url: str | None = None, vllm_api_key: str | None = None, extra_config: str = "",
                  startup_timeout_s: float = 600.0) -> None:
+        check_installed()  # before the port: a free one comes from the gateway package
+        from gateway.process import free_port
+
         self.path = Path(path or ".flywheel").resolve()
         self.port = port or free_port()
         super().__init__(f"http://127.0.0.1:{self.port}", admin_key=secrets.token_urlsafe(24))
@@ -170,7 +164,8 @@ class LocalBackend(Gateway):
         """(Re)start the gateway with the current configuration and wait until it answers."""
         if self.closed:
             raise GatewayStartError(f"{self!r} is closed")
-        check_installed()
+        from gateway.process import NotAnswering, wait_until_answering
+
         _stop(self._process)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config_file.write_text(self.configuration())
@@ -181,23 +176,11 @@ class LocalBackend(Gateway):
             self._process.append(subprocess.Popen(
                 [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_file), "--port",
                  str(self.port)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
-        self._wait_until_up()
-
-    def _wait_until_up(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            process = self._process[0]
-            if process.poll() is not None:
-                raise GatewayStartError(f"the gateway exited with status {process.returncode}:\n{self._log_tail()}")
-            try:
-                httpx.get(f"{self.url}/healthz", timeout=2.0)  # any answer: it serves (503 only says an engine is down)
-                return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)  # polling a condition (the child answering), bounded by the deadline
-        _stop(self._process)
-        raise GatewayStartError(f"the gateway did not answer within {self.startup_timeout_s:.0f} s:\n"
-                                f"{self._log_tail()}")
+        try:  # any answer: it serves (a 503 only says an engine is down)
+            wait_until_answering(self.url, self._process[0], timeout_s=self.startup_timeout_s)
+        except NotAnswering as exc:
+            _stop(self._process)
+            raise GatewayStartError(f"the gateway did not start: {exc}:\n{self._log_tail()}") from exc
 
     def _log_tail(self, lines: int = 40) -> str:
         try:
