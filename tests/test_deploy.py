@@ -40,8 +40,8 @@ def flywheel_commands(script: str) -> list[list[str]]:
         words = list(lexer)
         at_start = True  # where a command name stands: first, after an operator, after VAR=value words
         for index, word in enumerate(words):
-            starts, at_start = at_start, word in SHELL_ENDS or (at_start and ("=" in word and word[0] != "-"
-                                                                                  or word == "exec"))
+            assignment_or_exec = ("=" in word and word[0] != "-") or word == "exec"
+            starts, at_start = at_start, word in SHELL_ENDS or (at_start and assignment_or_exec)
             if starts and (word == "flywheel" or word.endswith("/bin/flywheel")):
                 command = []
                 for token in words[index + 1:]:
