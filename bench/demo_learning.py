@@ -46,11 +46,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gateway.engines.toolcalls import parse_tool_calls
-
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from examples.demo import task
 from gateway.cli.demo import TINY_TRAIN_ARGS
+from gateway.engines.local.toolcalls import parse_tool_calls
 from gateway.process import NotAnswering, free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,12 +141,10 @@ class Turn:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Prompt ids as the local engine makes them (gateway/engines/local.py: _render)."""
-    from gateway.engines.local import normalise_messages
+    """Prompt ids as the local engine makes them (gateway/engines/local/prompts.py)."""
+    from gateway.engines.local.prompts import render_chat, template_messages
 
-    text = tokenizer.apply_chat_template(normalise_messages(messages), tools=task.TOOLS, add_generation_prompt=True,
-                                         tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return render_chat(tokenizer, template_messages(messages), task.TOOLS, {})
 
 
 def sample(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_tokens: int, temperature: float,

@@ -165,7 +165,8 @@ def run_generate(args: Args) -> dict[str, Any]:
                       target_modules=_target_modules(model, "all-linear"), task_type="CAUSAL_LM")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in questions(args.groups)])
 
-    def letter_a(completions: list[Any], **kwargs: Any) -> list[float]:  # dense, cheap (docs/engineering-notes.md)
+    # dense and cheap (docs/engineering-notes.md)
+    def letter_a(completions: list[Any], **kwargs: Any) -> list[float | None]:
         texts = [c[0]["content"] for c in completions]
         return [t.count("a") / max(1, len(t)) for t in texts]
 
