@@ -98,6 +98,9 @@ class OpenAIEngineConfig(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=512, ge=1)
     request_token_ids: bool = True  # ask vLLM for return_token_ids + logprobs (stripped for clients)
+    # The API server of every vLLM replica behind base_url (a load balancer; one server per GPU): adapters are loaded
+    # and unloaded on each of these, not through base_url, since vLLM's runtime LoRA API acts on the server it reaches
+    replica_urls: list[Annotated[str, AfterValidator(_http_url)]] = Field(default_factory=list)
 
 
 EngineConfig = LocalEngineConfig | OpenAIEngineConfig

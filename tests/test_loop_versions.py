@@ -110,6 +110,40 @@ def test_every_switch_gets_its_own_version_and_the_manual_one_survives_a_restart
     gateway.stop()
 
 
+def test_every_vllm_replica_loads_each_version_and_a_replica_that_lost_it_gets_it_again(tmp_path: Path,
+                                                                                         vllm: VllmStandIn) -> None:
+    with VllmStandIn() as second:  # two vLLM servers; traffic goes to the first (a load balancer's stand-in)
+        gateway = GatewayProcess(tmp_path, f"""
+adapter_dirs = ["{tmp_path}"]
+[engines.vllm]
+base_url = "{vllm.base_url}"
+replica_urls = ["{vllm.base_url}", "{second.base_url}"]
+[aliases.agent]
+engine = "vllm"
+base_model = "{BASE}"
+[auth]
+admin_key = "admin"
+[loop]
+enabled = false
+""").start()
+        try:
+            one, two = fake_adapter(tmp_path, "one"), fake_adapter(tmp_path, "two")
+            assert admin(gateway, "PUT", "/aliases/agent/adapter", json={"path": one})["adapter"] == "agent@1"
+            assert vllm.loras == {"agent@1": one} and second.loras == {"agent@1": one}
+            second.loras.clear()  # the second server restarted: it lost its runtime adapters
+            switched = httpx.put(f"{gateway.url}/flywheel/v1/aliases/agent/adapter", headers=ADMIN, timeout=60,
+                                        json={"path": two})
+            assert switched.status_code == 200, switched.text
+            assert vllm.loras == {"agent@2": two} and second.loras == {"agent@2": two}  # loaded on both, old gone
+            second.refuse_listing.add("agent@3")  # one replica never lists it: the alias does not switch
+            three = httpx.put(f"{gateway.url}/flywheel/v1/aliases/agent/adapter", headers=ADMIN, timeout=60,
+                              json={"path": fake_adapter(tmp_path, "three")})
+            assert three.status_code == 502 and "did not list agent@3" in three.text, three.text
+            assert status(gateway)["serving"]["version"] == 2
+        finally:
+            gateway.stop()
+
+
 def test_a_version_the_engine_does_not_list_is_never_switched_to(tmp_path: Path, vllm: VllmStandIn) -> None:
     gateway = start(tmp_path, vllm)
     first = admin(gateway, "PUT", "/aliases/agent/adapter", json={"path": fake_adapter(tmp_path, "one")})

@@ -6,7 +6,9 @@ buffered whole. Upstream failures become :mod:`gateway.errors` exceptions:
 connection trouble and 5xx -> 502, timeouts -> 504, and the upstream's own 4xx
 verdicts on the request (400, 404, 413, 422, 429) keep their status and message.
 Adapters are loaded through vLLM's runtime LoRA API
-(``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``/v1/load_lora_adapter``.
+(``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``/v1/load_lora_adapter`` — on ``base_url``, or on
+each server of ``replica_urls`` when ``base_url`` is a load balancer in front of them (that API acts
+on the one server it reaches); an adapter counts as loaded when every one of them lists it.
 
 Why aiohttp and not httpx: this is the hot path of every request, and measured side by
 side (docs/benchmarks.md) httpx's client cost ~1.1 ms of CPU per request here and its
@@ -37,6 +39,7 @@ class OpenAIUpstreamEngine:
     def __init__(self, config: OpenAIEngineConfig) -> None:
         self.config = config
         self.base_url = config.base_url.rstrip("/")
+        self.lora_urls = [url.rstrip("/") for url in config.replica_urls] or [self.base_url]
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -77,15 +80,25 @@ class OpenAIUpstreamEngine:
         return self._post_stream("/completions", body)
 
     async def load_adapter(self, name: str, path: str) -> None:
-        await self._post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path}, expect_json=False)
+        """Load on every server that does not list ``name`` yet (a replica that restarted lost its adapters)."""
+        for url in self.lora_urls:
+            if name not in await self._models(url):
+                await self._post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                      expect_json=False, base_url=url)
 
     async def unload_adapter(self, name: str) -> None:
-        await self._post_json("/unload_lora_adapter", {"lora_name": name}, expect_json=False)
+        for url in self.lora_urls:
+            if name in await self._models(url):
+                await self._post_json("/unload_lora_adapter", {"lora_name": name}, expect_json=False, base_url=url)
 
     async def adapters(self) -> list[str]:
-        """vLLM lists each loaded LoRA in ``GET /v1/models`` (its ``parent`` is the base model)."""
+        """The adapters every server lists: vLLM lists each loaded LoRA in ``GET /v1/models``."""
+        listed = [await self._models(url) for url in self.lora_urls]
+        return [name for name in listed[0] if all(name in other for other in listed[1:])]
+
+    async def _models(self, base_url: str) -> list[str]:
         try:
-            async with self.session.get(self.base_url + "/models") as response:
+            async with self.session.get(base_url + "/models") as response:
                 content, status = await response.read(), response.status
         except TimeoutError:
             raise _timeout(self.config) from None
@@ -109,9 +122,10 @@ class OpenAIUpstreamEngine:
             raise UpstreamError(f"upstream {self.base_url} answered {status}")
         return {"engine": "openai", "base_url": self.base_url}
 
-    async def _post_json(self, path: str, body: Body, *, expect_json: bool = True) -> Body:
+    async def _post_json(self, path: str, body: Body, *, expect_json: bool = True, base_url: str | None = None) -> Body:
         try:
-            async with self.session.post(self.base_url + path, data=orjson.dumps(body), headers=_JSON) as response:
+            async with self.session.post((base_url or self.base_url) + path, data=orjson.dumps(body),
+                                         headers=_JSON) as response:
                 content = await response.read()
                 status = response.status
         except TimeoutError:
