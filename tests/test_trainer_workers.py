@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,18 +120,21 @@ def test_a_worker_trains_only_when_the_loop_would_and_the_gate_takes_its_round(t
         gateway.stop()
 
 
-def trainer_worker(gateway: GatewayProcess, workdir: Path) -> subprocess.Popen[str]:
-    """``flywheel trainer`` as on a GPU box: its own scratch directory, the gateway reached over HTTP only."""
+def trainer_worker(gateway: GatewayProcess, workdir: Path, base_model: Path) -> subprocess.Popen[str]:
+    """``flywheel trainer`` as on a GPU box: its own scratch directory and copy of the base weights, the gateway
+    reached over HTTP only."""
     workdir.mkdir(parents=True)
+    shutil.copytree(base_model, workdir / "base")
     return subprocess.Popen([sys.executable, "-m", "gateway", "trainer", "--gateway", gateway.url, "--admin-key",
-                             "admin", "--workdir", str(workdir), "--poll-s", "0.3"], cwd=workdir, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "admin", "--workdir", str(workdir / "scratch"), "--base-model", str(workdir / "base"),
+                             "--poll-s", "0.3"], cwd=workdir, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
 
 
 def test_trainer_workers_download_train_and_upload_and_never_share_a_round(tmp_path: Path, vllm: VllmStandIn,
                                                                             tiny_model: Path) -> None:
     gateway = GatewayProcess(tmp_path, workers_config(vllm, tiny_model)).start()
-    workers = [trainer_worker(gateway, tmp_path / f"worker-{n}") for n in (1, 2)]
+    workers = [trainer_worker(gateway, tmp_path / f"worker-{n}", tiny_model) for n in (1, 2)]
     try:
         for round_, version in ((0, 1), (1, 2)):  # the second round continues from the first one's adapter
             send_groups(gateway, 2 * round_, 2)
@@ -143,13 +147,15 @@ def test_trainer_workers_download_train_and_upload_and_never_share_a_round(tmp_p
         served = Path(rows[2]["path"])
         assert served.parent == gateway.dir / "data" / "adapters" / "agent"
         weights = (served / adapters.ADAPTER_WEIGHTS).read_bytes()
-        trained_in = [w for w in (tmp_path / "worker-1", tmp_path / "worker-2")
+        trained_in = [w for w in (tmp_path / "worker-1" / "scratch", tmp_path / "worker-2" / "scratch")
                       if (w / "agent" / "2" / adapters.ADAPTER_WEIGHTS).is_file()
                       and (w / "agent" / "2" / adapters.ADAPTER_WEIGHTS).read_bytes() == weights]
         assert len(trained_in) == 1, "version 2's weights are not the ones a worker trained"
         record = adapters.read_round_file(served)
         assert record["init_adapter"] == str(trained_in[0] / "agent" / "current"), record["init_adapter"]
         assert record["version"] == 2 and rows[2]["metrics"]["charts/optimizer_resumed"] == 1.0  # with v1's AdamW
+        assert record["base_model"] == str(trained_in[0].parent / "base")  # the worker's copy of the weights ...
+        assert rows[2]["base_model"] == str(tiny_model)  # ... recorded under the gateway's name
         runs = [{g["group_id"] for g in adapters.read_round_file(Path(rows[v]["path"]))["data"]["groups"]}
                 for v in (1, 2)]
         assert runs[0] and runs[1] and not runs[0] & runs[1], runs  # no group trained twice

@@ -40,6 +40,9 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
             shared: Annotated[bool, typer.Option(
                 help="Read and write the gateway's adapter directory in place (a shared volume): no transfer.")
             ] = False,
+            base_model: Annotated[str | None, typer.Option(
+                help="The base weights on this machine (a directory or cached HF id; default: what the gateway names).")
+            ] = None,
             threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
             set_: Annotated[list[str] | None, typer.Option(
                 "--set", help="A GRPOArgs field for every round, e.g. --set max_steps=8 (repeatable).")] = None,
@@ -71,7 +74,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
             for name in aliases:
                 started = time.monotonic()
                 try:
-                    outcome = run_round(where, name, max_groups=None, overrides=overrides)
+                    outcome = run_round(where, name, max_groups=None, overrides=overrides, base_model=base_model)
                 except RoundError as exc:  # the gateway is down, or refused (another worker holds the round)
                     typer.echo(f"{_now()} {name}: {exc}")
                     continue

@@ -199,8 +199,10 @@ class RoundOutcome:
 
 
 def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: dict[str, Any], promote: bool = False,
-              group_ids: list[str] | None = None) -> RoundOutcome:
-    """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised."""
+              group_ids: list[str] | None = None, base_model: str | None = None) -> RoundOutcome:
+    """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised.
+
+    ``base_model``: where this machine keeps the base weights the gateway names (default: the same name)."""
     from capture.batches import TrainingGroup
     from gateway.loop.training import round_to_json
     from trainer import adapters
@@ -218,7 +220,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     try:
         from trainer.grpo import train_round
 
-        result = train_round(batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
+        result = train_round(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
                              optimizer_state=adapters.optimizer_state_of(init))
         if result.status == "finished":
             where.publish(alias, version, out_dir)
@@ -228,7 +230,8 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
         raise
     if result.status != "finished":
         adapters.discard(out_dir)
+    reported = round_to_json(result) | {"base_model": batch.base_model}  # the gateway's name for the weights
     report = {"alias": alias, "version": version, "parent_version": batch.current["version"] if batch.current else None,
-              "promote": promote, "result": round_to_json(result), "batch_group_ids": batch_ids}
+              "promote": promote, "result": reported, "batch_group_ids": batch_ids}
     where.record(report)
     return RoundOutcome(result.status, version, result, len(groups))
