@@ -256,6 +256,17 @@ def test_skypilot_task_runs_vllm_with_lora_and_the_gateway() -> None:
             assert (ROOT / words[words.index("--config") + 1]).is_file()
 
 
+def test_skypilot_trainer_task_runs_the_worker_against_a_gateway() -> None:
+    task = yaml.safe_load((DEPLOY / "skypilot-trainer.yaml").read_text())
+    assert {"resources", "setup", "run", "envs"} <= set(task) and task["resources"]["accelerators"]
+    assert ".[train]" in task["setup"]
+    check_environment(task["envs"])
+    commands = flywheel_commands(task["run"])
+    assert commands and {c[0] for c in commands} == {"trainer"} and all("--gateway" in c for c in commands)
+    for words in commands:
+        check_command(words)
+
+
 def test_deploy_docs_use_only_commands_and_keys_that_exist() -> None:
     doc = (ROOT / "docs" / "deploy.md").read_text()
     blocks = re.findall(r"```(\w*)\n(.*?)```", doc, flags=re.S)
