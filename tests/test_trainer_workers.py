@@ -37,14 +37,15 @@ def vllm() -> Iterator[VllmStandIn]:
         yield server
 
 
-def worker(gateway: GatewayProcess) -> dict[str, Any]:
-    """One ``flywheel train`` run as a worker on another machine would: the admin API only, its last line JSON."""
+def worker(gateway: GatewayProcess, *args: str) -> tuple[dict[str, Any], str]:
+    """One ``flywheel train`` run as a worker on another machine would: the admin API only. Its last line (JSON),
+    and all it printed."""
     done = subprocess.run([sys.executable, "-m", "gateway", "train", "--alias", "agent", "--gateway", gateway.url,
-                           "--json"], capture_output=True, text=True, timeout=300,
+                           "--json", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "FLYWHEEL_ADMIN_KEY": "admin"}, cwd=gateway.dir)
     assert done.returncode == 0, done.stdout + done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return result, done.stdout
 
 
 def workers_config(vllm: VllmStandIn, tiny_model: Path) -> str:
@@ -96,7 +97,7 @@ def test_a_worker_trains_only_when_the_loop_would_and_the_gate_takes_its_round(t
                                                                                  tiny_model: Path) -> None:
     gateway = GatewayProcess(tmp_path, workers_config(vllm, tiny_model)).start()
     try:
-        assert worker(gateway)["status"] == "nothing"  # no scored group yet: nothing handed out
+        assert worker(gateway)[0]["status"] == "nothing"  # no scored group yet: nothing handed out
         send_groups(gateway, 0, 2)
         wait_for(lambda: status(gateway)["pending"]["scored_groups"] == 2, "the loop to score both groups")
         # Due now, but the gateway does not train itself: its train job says so.
@@ -104,13 +105,16 @@ def test_a_worker_trains_only_when_the_loop_would_and_the_gate_takes_its_round(t
                                                          or ""), "the loop's train job to see a round due")
         assert [row["status"] for row in admin(gateway, "GET", "/aliases/agent/versions")["data"]] == []
 
-        round_ = worker(gateway)
+        # The round as on a multi-GPU box, through accelerate's launcher (one CPU process here): the same code.
+        accelerate = Path(sys.executable).parent / "accelerate"
+        round_, printed = worker(gateway, "--launch", f"{accelerate} launch --num_processes 1 --cpu")
+        assert '"seconds":' in printed  # python -m trainer.grpo's own summary: the round ran in the launched process
         assert (round_["status"], round_["version"], round_["groups"]) == ("finished", 1, 2), round_
         assert (Path(round_["adapter_path"]) / "adapter_config.json").is_file()
         # The loop's gate (offline and canary off here) promotes what the worker reported; the engine loads it.
         wait_for(lambda: status(gateway)["serving"]["version"] == 1, "the loop to promote the worker's round")
         assert "agent@1" in vllm.loras
-        assert worker(gateway)["status"] == "nothing"  # the groups are trained: nothing handed out twice
+        assert worker(gateway)[0]["status"] == "nothing"  # the groups are trained: nothing handed out twice
         # Two workers never train one alias at once: a reservation while a version is in flight is refused.
         assert admin(gateway, "POST", "/training/versions", json={"alias": "agent"})["version"] == 2
         second = httpx.post(f"{gateway.url}/flywheel/v1/training/versions", headers=ADMIN, timeout=30,

@@ -169,6 +169,24 @@ class RoundResult:
     started_at: datetime
     finished_at: datetime
 
+    def to_json(self) -> dict[str, Any]:
+        """Paths and times as strings: what a round reports to the gateway and ``--result-json`` writes."""
+        data = asdict(self)
+        for key in ("adapter_dir", "optimizer_state"):
+            data[key] = str(data[key]) if data[key] is not None else None
+        for key in ("started_at", "finished_at"):
+            data[key] = data[key].isoformat()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoundResult:
+        values = dict(data)
+        for key in ("adapter_dir", "optimizer_state"):
+            values[key] = Path(values[key]) if values[key] is not None else None
+        for key in ("started_at", "finished_at"):
+            values[key] = datetime.fromisoformat(values[key])
+        return cls(**values)
+
 
 # --------------------------------------------------------------------------- groups of one size for TRL
 
@@ -716,18 +734,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-adapter", default=None)
     parser.add_argument("--optimizer-state", default=None)
     parser.add_argument("--tiny", action="store_true", help="start from GRPOArgs.tiny() (CPU, random tiny model)")
+    parser.add_argument("--args-json", default=None, help="a JSON file of GRPOArgs fields (the flags below win)")
+    parser.add_argument("--result-json", default=None, help="write the RoundResult here as JSON (the main process)")
     for f in fields(GRPOArgs):
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, help=f"GRPOArgs.{f.name}")
     ns = parser.parse_args(argv)
     defaults = GRPOArgs.tiny() if ns.tiny else GRPOArgs()
     overrides = {f.name: _parse_field(str(f.type), raw) for f in fields(GRPOArgs)
                  if (raw := getattr(ns, f.name)) is not None}
-    args = GRPOArgs(**{**asdict(defaults), **overrides})
+    given = json.loads(Path(ns.args_json).read_text()) if ns.args_json else {}
+    args = GRPOArgs(**{**asdict(defaults), **given, **overrides})
     groups = [TrainingGroup.from_json(json.loads(line)) for line in Path(ns.groups).read_text().splitlines()
               if line.strip()]
     started = time.perf_counter()
     result = train_round(ns.base, groups, args, init_adapter=ns.init_adapter, out_dir=ns.out,
                          optimizer_state=ns.optimizer_state)
+    if ns.result_json and int(os.environ.get("RANK", "0")) == 0:  # under accelerate every rank returns the same
+        Path(ns.result_json).write_text(json.dumps(result.to_json()))
     print(json.dumps({"status": result.status, "adapter_dir": str(result.adapter_dir), "metrics": result.metrics,
                       "seconds": time.perf_counter() - started}, indent=2, default=str))
 

@@ -8,6 +8,7 @@ every command (``gateway/cli/common.py: locate``).
 from __future__ import annotations
 
 import asyncio
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -97,6 +98,18 @@ def _score_file(location: Location, alias: str | None, limit: int | None) -> dic
         store.close()
 
 
+LaunchOption = Annotated[str | None, typer.Option(
+    help='Train each round under this launcher, e.g. "accelerate launch --num_processes 4" (several GPUs).')]
+
+
+def launcher_of(launch: str | None) -> list[str] | None:
+    """``--launch``'s words (one line and exit 2 when its quoting is broken)."""
+    try:
+        return shlex.split(launch) or None if launch else None
+    except ValueError as exc:
+        fail(f"--launch: {exc}")
+
+
 def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train.")],
           config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
           data_dir: DataDirOption = None, database: DatabaseOption = None,
@@ -105,6 +118,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
               help="Train on these scored groups only (comma-separated ids).")] = None,
           promote: Annotated[bool, typer.Option(help="Serve the new adapter at once (no evaluation gate).")] = False,
           threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+          launch: LaunchOption = None,
           workdir: Annotated[Path | None, typer.Option(
               help="With a gateway on another machine: train in this directory and upload the adapter.")] = None,
           json_: Annotated[bool, typer.Option("--json", help="End with one JSON line: status, version, metrics.")
@@ -137,9 +151,9 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
         store = open_store(location.database or settings.database)
         where = StoreFile(store, settings)
     try:
-        outcome = run_round(where, alias, max_groups=max_groups,
-                            overrides=overrides, promote=promote,
-                            group_ids=[g for g in group_ids.split(",") if g] if group_ids else None)
+        outcome = run_round(where, alias, max_groups=max_groups, overrides=overrides, promote=promote,
+                            group_ids=[g for g in group_ids.split(",") if g] if group_ids else None,
+                            launcher=launcher_of(launch))
     except (RoundError, TypeError, ValueError) as exc:  # TypeError: an unknown --set field
         fail(str(exc))
     finally:

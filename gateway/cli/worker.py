@@ -24,7 +24,7 @@ import httpx
 import typer
 
 from gateway.cli.common import AdminKeyOption, ConfigOption, GatewayOption, Target, error_message, fail, locate
-from gateway.cli.jobs import describe_round, field_values
+from gateway.cli.jobs import LaunchOption, describe_round, field_values, launcher_of
 
 
 def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, config: ConfigOption = None,
@@ -43,6 +43,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
             base_model: Annotated[str | None, typer.Option(
                 help="The base weights on this machine (a directory or cached HF id; default: what the gateway names).")
             ] = None,
+            launch: LaunchOption = None,
             threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
             set_: Annotated[list[str] | None, typer.Option(
                 "--set", help="A GRPOArgs field for every round, e.g. --set max_steps=8 (repeatable).")] = None,
@@ -57,7 +58,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
     if location.url is None:
         fail("flywheel trainer works through a running gateway: give --gateway URL")
     aliases = _aliases_to_train(location.url, location.admin_key, alias)
-    overrides = field_values(set_ or [])
+    overrides, launcher = field_values(set_ or []), launcher_of(launch)
     if threads:
         import torch
 
@@ -74,7 +75,8 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
             for name in aliases:
                 started = time.monotonic()
                 try:
-                    outcome = run_round(where, name, max_groups=None, overrides=overrides, base_model=base_model)
+                    outcome = run_round(where, name, max_groups=None, overrides=overrides, base_model=base_model,
+                                        launcher=launcher)
                 except RoundError as exc:  # the gateway is down, or refused (another worker holds the round)
                     typer.echo(f"{_now()} {name}: {exc}")
                     continue

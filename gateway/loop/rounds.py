@@ -18,6 +18,7 @@ that dies without a word (killed, out of memory) is recorded by whoever started 
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -199,12 +200,14 @@ class RoundOutcome:
 
 
 def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: dict[str, Any], promote: bool = False,
-              group_ids: list[str] | None = None, base_model: str | None = None) -> RoundOutcome:
+              group_ids: list[str] | None = None, base_model: str | None = None,
+              launcher: list[str] | None = None) -> RoundOutcome:
     """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised.
 
-    ``base_model``: where this machine keeps the base weights the gateway names (default: the same name)."""
+    ``base_model``: where this machine keeps the base weights the gateway names (default: the same name).
+    ``launcher``: train in ``launcher + ["-m", "trainer.grpo", ...]`` (``accelerate launch --num_processes 4``:
+    several GPUs, the same code) instead of in this process."""
     from capture.batches import TrainingGroup
-    from gateway.loop.training import round_to_json
     from trainer import adapters
     from trainer.grpo import GRPOArgs
 
@@ -220,8 +223,9 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     try:
         from trainer.grpo import train_round
 
-        result = train_round(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
-                             optimizer_state=adapters.optimizer_state_of(init))
+        train = functools.partial(launched_round, launcher) if launcher else train_round
+        result = train(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
+                       optimizer_state=adapters.optimizer_state_of(init))
         if result.status == "finished":
             where.publish(alias, version, out_dir)
     except Exception as exc:
@@ -230,8 +234,34 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
         raise
     if result.status != "finished":
         adapters.discard(out_dir)
-    reported = round_to_json(result) | {"base_model": batch.base_model}  # the gateway's name for the weights
+    reported = result.to_json() | {"base_model": batch.base_model}  # the gateway's name for the weights
     report = {"alias": alias, "version": version, "parent_version": batch.current["version"] if batch.current else None,
               "promote": promote, "result": reported, "batch_group_ids": batch_ids}
     where.record(report)
     return RoundOutcome(result.status, version, result, len(groups))
+
+
+def launched_round(launcher: list[str], base_model: str, groups: list[Any], args: Any, *, init_adapter: str | None,
+                   out_dir: str, optimizer_state: Path | None) -> Any:
+    """``train_round`` as ``python -m trainer.grpo`` under ``launcher``; its ``--result-json`` is the result."""
+    import json
+    import subprocess
+    from dataclasses import asdict
+
+    from trainer.grpo import RoundResult
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-round-") as tmp:
+        files = Path(tmp)
+        (files / "groups.jsonl").write_text("".join(json.dumps(group.to_json()) + "\n" for group in groups))
+        (files / "args.json").write_text(json.dumps(asdict(args)))
+        command = [*launcher, "-m", "trainer.grpo", "--base", base_model, "--groups", str(files / "groups.jsonl"),
+                   "--out", out_dir, "--args-json", str(files / "args.json"),
+                   "--result-json", str(files / "result.json")]
+        if init_adapter:
+            command += ["--init-adapter", init_adapter]
+        if optimizer_state:
+            command += ["--optimizer-state", str(optimizer_state)]
+        done = subprocess.run(command, check=False)  # its output is the worker's: progress, TRL's logs
+        if done.returncode != 0 or not (files / "result.json").is_file():
+            raise RuntimeError(f"{' '.join(launcher)} -m trainer.grpo exited with status {done.returncode}")
+        return RoundResult.from_json(json.loads((files / "result.json").read_text()))

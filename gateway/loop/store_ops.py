@@ -27,7 +27,7 @@ from capture.store import Store
 from capture.turns import new_id
 from gateway.config import Settings
 from gateway.loop import versions
-from gateway.loop.training import record_failed_round, record_training, round_from_json, training_batch
+from gateway.loop.training import record_failed_round, record_training, training_batch
 from judge.rewards import InvalidFeedbackError, feedback_reward
 
 Op = Callable[..., Any]
@@ -136,8 +136,10 @@ def reserve_version(store: Store, settings: Settings, alias: str, base_model: st
 @op("record_round")
 def record_round(store: Store, settings: Settings, alias: str, version: int, parent_version: int | None,
                  promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Any:
-    adapter = record_training(store, alias, round_from_json(result), version=version, parent_version=parent_version,
-                              promote=promote, batch_group_ids=batch_group_ids or [])
+    from trainer.grpo import RoundResult
+
+    adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
+                              parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])
     return versions.to_json(adapter) if adapter is not None else None
 
 

@@ -13,8 +13,7 @@ loop's gate decides (docs/loop.md).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, replace
-from datetime import datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,27 +68,6 @@ def grpo_args(settings: Settings, base_model: str, overrides: dict[str, Any] | N
     tiny = settings.train.tiny_defaults and Path(base_model).resolve() == (
         settings.data_dir / "models" / "tiny").resolve()
     return GRPOArgs.tiny(**values) if tiny else GRPOArgs(**values)
-
-
-def round_to_json(result: Any) -> dict[str, Any]:
-    """A ``RoundResult`` as JSON (paths and times as strings), to send to the gateway."""
-    data = asdict(result)
-    for key in ("adapter_dir", "optimizer_state"):
-        data[key] = str(data[key]) if data[key] is not None else None
-    for key in ("started_at", "finished_at"):
-        data[key] = data[key].isoformat()
-    return data
-
-
-def round_from_json(data: dict[str, Any]) -> Any:
-    from trainer.grpo import RoundResult
-
-    values = dict(data)
-    for key in ("adapter_dir", "optimizer_state"):
-        values[key] = Path(values[key]) if values[key] is not None else None
-    for key in ("started_at", "finished_at"):
-        values[key] = datetime.fromisoformat(values[key])
-    return RoundResult(**values)
 
 
 def record_training(store: Store, alias: str, result: Any, *, version: int, parent_version: int | None,
