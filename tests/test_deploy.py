@@ -158,7 +158,8 @@ def test_the_checks_catch_what_does_not_exist() -> None:
 
 # -- the files -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["flywheel.compose.toml", "flywheel.skypilot.toml", "flywheel.example.toml"])
+@pytest.mark.parametrize("name", ["flywheel.compose.toml", "flywheel.skypilot.toml", "flywheel.example.toml",
+                                  "flywheel.remote-gpu.toml"])
 def test_configs_use_only_keys_that_exist_and_load(name: str) -> None:
     path = DEPLOY / name
     check_toml_keys(tomllib.loads(path.read_text()))
@@ -256,8 +257,9 @@ def test_skypilot_task_runs_vllm_with_lora_and_the_gateway() -> None:
             assert (ROOT / words[words.index("--config") + 1]).is_file()
 
 
-def test_skypilot_trainer_task_runs_the_worker_against_a_gateway() -> None:
-    task = yaml.safe_load((DEPLOY / "skypilot-trainer.yaml").read_text())
+@pytest.mark.parametrize("name", ["skypilot-trainer.yaml", "skypilot-gpu.yaml"])
+def test_skypilot_gpu_tasks_run_the_trainer_worker_against_a_gateway(name: str) -> None:
+    task = yaml.safe_load((DEPLOY / name).read_text())
     assert {"resources", "setup", "run", "envs"} <= set(task) and task["resources"]["accelerators"]
     assert ".[train]" in task["setup"]
     check_environment(task["envs"])
@@ -265,6 +267,16 @@ def test_skypilot_trainer_task_runs_the_worker_against_a_gateway() -> None:
     assert commands and {c[0] for c in commands} == {"trainer"} and all("--gateway" in c for c in commands)
     for words in commands:
         check_command(words)
+
+
+def test_the_gpu_task_serves_vllm_with_lora_where_the_gateway_s_adapters_are() -> None:
+    task = yaml.safe_load((DEPLOY / "skypilot-gpu.yaml").read_text())
+    config = load_settings(DEPLOY / "flywheel.remote-gpu.toml")
+    assert task["envs"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" in task["run"] and "--api-key" in task["run"] and task["resources"]["ports"] == 8001
+    assert str(config.data_dir / "adapters") in task["file_mounts"]  # vLLM loads the path the gateway names
+    assert config.train.workers and "--shared" in flywheel_commands(task["run"])[0]
+    assert config.aliases["agent"].train_model == task["envs"]["MODEL"]
 
 
 def test_deploy_docs_use_only_commands_and_keys_that_exist() -> None:
