@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -58,20 +59,34 @@ def export_adapter(
     row = next((r for r in rows if r["version"] == version), None)
     if row is None:
         fail(f"{alias} has no version {version} (it has {', '.join(str(r['version']) for r in rows) or 'none'})")
-    adapter = Path(row["path"])
-    if not (adapter / "adapter_config.json").is_file():
-        fail(f"version {version} of {alias} has no PEFT adapter at {adapter} ({row['status']}; adapter_config.json "
-             "missing)")
     if out.exists() and any(out.iterdir()):
         fail(f"--out {out} is not empty")
     base = base_model or row["base_model"]
-    if merged:
-        _merge(base, adapter, out)
-    else:
-        shutil.copytree(adapter, out, dirs_exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="flywheel-export-") as scratch:
+        adapter = _readable_adapter(location, alias, row, Path(scratch))
+        if merged:
+            _merge(base, adapter, out)
+        else:
+            shutil.copytree(adapter, out, dirs_exist_ok=True)
     (out / "flywheel_version.json").write_text(json.dumps(row, indent=2) + "\n")
     (out / "README.md").write_text(model_card(alias, row, rewards, base, merged))
     typer.echo(f"version {version} of {alias} written to {out} ({'merged into ' + base if merged else 'PEFT adapter'})")
+
+
+def _readable_adapter(location: Location, alias: str, row: dict[str, Any], scratch: Path) -> Path:
+    """The version's directory when this machine sees it, else its files downloaded from the gateway."""
+    from gateway.loop.rounds import AdminApi, RoundError
+
+    adapter = Path(row["path"])
+    if (adapter / "adapter_config.json").is_file():
+        return adapter
+    if location.url is None:
+        fail(f"version {row['version']} of {alias} has no PEFT adapter at {adapter} ({row['status']}; "
+             "adapter_config.json missing)")
+    try:
+        return AdminApi(location.url, location.admin_key).download(alias, row["version"], scratch / "adapter")
+    except RoundError as exc:
+        fail(f"version {row['version']} of {alias}: {exc}")
 
 
 def _version_rows(location: Location, alias: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -95,26 +95,30 @@ class AdminApi:
         scratch.mkdir(parents=True)
         if current is None:
             return None
-        local = scratch / "current"
+        return str(self.download(alias, current["version"], scratch / "current"))
+
+    def download(self, alias: str, version: int, out_dir: Path) -> Path:
+        """Version ``version``'s files from the gateway into ``out_dir`` (absent or empty)."""
         from trainer import adapters
 
-        with tempfile.TemporaryFile(dir=scratch) as archive:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir.parent) as archive:
             try:
-                with self.client.stream("GET", f"/adapters/{alias}/{current['version']}") as response:
+                with self.client.stream("GET", f"/adapters/{alias}/{version}") as response:
                     if response.status_code != 200:
                         response.read()
-                        raise RoundError(f"gateway answered {response.status_code} for version "
-                                         f"{current['version']}: {response.text[:200]}")
+                        raise RoundError(f"gateway answered {response.status_code} for version {version}: "
+                                         f"{response.text[:200]}")
                     for chunk in response.iter_bytes():
                         archive.write(chunk)
             except httpx.HTTPError as exc:
                 raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
             archive.seek(0)
             try:
-                adapters.unpack(archive, local)
+                adapters.unpack(archive, out_dir)
             except adapters.AdapterError as exc:
-                raise RoundError(f"version {current['version']} from the gateway: {exc}") from None
-        return str(local)
+                raise RoundError(f"version {version} from the gateway: {exc}") from None
+        return out_dir
 
     def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
         row: dict[str, Any] = self._call("POST", "/versions", json={"alias": alias})  # the gateway knows the rest
