@@ -55,9 +55,12 @@ log = logging.getLogger("flywheel.linker")
 # Forked siblings are never continued: the client never saw them.
 _CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_answer FROM turns WHERE h_out IN :hashes "
                    "AND source <> 'fork' ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
-_ANSWERS = text("SELECT id, trajectory_id, depth, client_key_id, h_answer, h_replied_to FROM turns "
-                "WHERE h_answer IN :hashes AND source <> 'fork' ORDER BY created_at, id").bindparams(
-    bindparam("hashes", expanding=True))
+# The tail rule's lookups, one answer at a time and at most TAIL_CANDIDATES + 1 rows: an index range read,
+# however many turns gave the answer. First the turns that also replied to the same message (the
+# (h_answer, h_replied_to) index), then any that gave the answer.
+_TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at FROM turns "
+_AGREEING = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND h_replied_to = :r AND source <> 'fork' LIMIT :limit")
+_ANSWERS = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND source <> 'fork' LIMIT :limit")
 _PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id IN :ids").bindparams(
     bindparam("ids", expanding=True))
 _CONVERSATIONS = text("SELECT id, request_messages, response_message FROM turns WHERE id IN :ids").bindparams(
@@ -69,6 +72,9 @@ TOUCHED_COLUMNS = ("status", "closed_at", "close_reason", "turn_count", "branch_
                    "group_key")
 # An answer whose preceding message changed too is evidence alone only when it is hard to repeat by chance.
 DISTINCT_ANSWER_CHARS = 40
+# Evidence more stored turns share than this ("OK" after "thanks") settles no link: the tail rule refuses it as
+# ambiguous without reading them all (bench/replicas.py: 413 ms a request at 10k such turns when it read them).
+TAIL_CANDIDATES = 32
 
 
 @dataclass
@@ -125,7 +131,8 @@ class TrajectoryLinker:
         self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
         self._new_trajectories: dict[str, SimpleNamespace] = {}  # created by this batch
         self._by_hash: dict[str, list[_Candidate]] = {}  # by h_out
-        self._by_answer: dict[str, list[_Candidate]] = {}  # by h_answer
+        self._by_answer: dict[tuple[str, str | None], list[_Candidate]] = {}  # by (h_answer, h_replied_to | None)
+        self._popular: set[tuple[str, str | None]] = set()  # evidence too many stored turns share
         self._latest: dict[str, _Candidate] = {}  # explicit trajectories' latest turns
         self._candidates: dict[str, _Candidate] = {}  # by turn id
         self._tails: dict[str, _Tail | None] = {}  # by the new turn's id
@@ -149,7 +156,7 @@ class TrajectoryLinker:
             if hashes and hashes[0] not in answered_in_batch and not self._resolves(item, hashes[0]):
                 unresolved.append(item)
             answered_in_batch.add(item.row["h_out"])
-        self._probe_answers({tail.answer for tail in map(self._tail, unresolved) if tail is not None})
+        self._probe_answers({(tail.answer, tail.replied_to) for tail in map(self._tail, unresolved) if tail})
         # Older prefixes (rule 4) only where the tail settles nothing: a request whose history changed
         # has several of them, and each is a probe (~35 us).
         self._probe({h for item in unresolved if not self._tail_pool(item) for h in item.assistant_prefix_hashes[1:]}
@@ -185,14 +192,26 @@ class TrajectoryLinker:
                 candidate.h_answer = h_answer
                 self._by_hash.setdefault(h_out, []).append(candidate)
 
-    def _probe_answers(self, hashes: set[str]) -> None:
-        """Stored turns whose ``h_answer`` is one of ``hashes``, into ``_by_answer`` (oldest first)."""
-        for chunk in chunks(sorted(hashes), 500):
-            for turn_id, trajectory_id, depth, key, h_answer, replied_to in self.session.execute(
-                    _ANSWERS, {"hashes": chunk}).all():
-                candidate = self._candidate(turn_id, trajectory_id, depth, key)
-                candidate.h_answer, candidate.h_replied_to = h_answer, replied_to
-                self._by_answer.setdefault(h_answer, []).append(candidate)
+    def _probe_answers(self, tails: set[tuple[str, str | None]]) -> None:
+        """For each (answer, message it replied to): the stored turns that gave the answer after that message, and
+        those that gave it at all, into ``_by_answer`` (oldest first); either set larger than TAIL_CANDIDATES goes
+        into ``_popular`` instead, none of its turns read."""
+        for answer, replied_to in sorted(tails, key=str):
+            lookups: list[tuple[tuple[str, str | None], Any, dict[str, str]]] = [
+                ((answer, None), _ANSWERS, {"h": answer}),
+                *([((answer, replied_to), _AGREEING, {"h": answer, "r": replied_to})] if replied_to else [])]
+            for key, query, params in lookups:
+                if key in self._by_answer or key in self._popular:
+                    continue
+                rows = self.session.execute(query, {**params, "limit": TAIL_CANDIDATES + 1}).all()
+                if len(rows) > TAIL_CANDIDATES:
+                    self._popular.add(key)
+                    continue
+                self._by_answer[key] = []
+                for turn_id, trajectory_id, depth, client_key, h_replied_to, _ in sorted(rows, key=_oldest_first):
+                    candidate = self._candidate(turn_id, trajectory_id, depth, client_key)
+                    candidate.h_answer, candidate.h_replied_to = answer, h_replied_to
+                    self._by_answer[key].append(candidate)
 
     def _resolves(self, item: PreparedTurn, h: str) -> bool:
         """Whether the stored turns ending in ``h`` settle this turn's parent: some exist (same key; same explicit
@@ -271,7 +290,8 @@ class TrajectoryLinker:
                           row.get("h_answer"), row.get("h_replied_to"))
         self._by_hash.setdefault(turn["h_out"], []).append(mine)  # later turns of this batch see this one
         if row.get("h_answer"):
-            self._by_answer.setdefault(row["h_answer"], []).append(mine)
+            for key in {(row["h_answer"], None), (row["h_answer"], row.get("h_replied_to"))}:
+                self._by_answer.setdefault(key, []).append(mine)
         self._latest[trajectory_id] = mine
         self._batch_turns[turn["id"]] = turn
         self.turns.append(turn)
@@ -368,12 +388,23 @@ class TrajectoryLinker:
         tail = self._tail(item)
         if tail is None:
             return None
-        candidates = [c for c in self._by_answer.get(tail.answer, ()) if c.client_key_id == item.row["client_key_id"]
-                      and within in (None, c.trajectory_id)]
-        if not candidates:
-            return None
-        agreeing = [c for c in candidates if tail.replied_to is not None and c.h_replied_to == tail.replied_to]
-        pool = agreeing or (candidates if tail.distinct else [])
+
+        def mine(key: tuple[str, str | None]) -> list[_Candidate]:
+            return [c for c in self._by_answer.get(key, ()) if c.client_key_id == item.row["client_key_id"]
+                    and within in (None, c.trajectory_id)]
+
+        if (tail.answer, tail.replied_to) in self._popular:
+            return []
+        agreeing = mine((tail.answer, tail.replied_to)) if tail.replied_to is not None else []
+        if agreeing:
+            pool = agreeing
+        elif (tail.answer, None) in self._popular:
+            return []
+        else:
+            candidates = mine((tail.answer, None))
+            if not candidates:
+                return None
+            pool = candidates if tail.distinct else []
         return pool if len({c.trajectory_id for c in pool}) == 1 else []
 
     def _parent_in(self, trajectory_id: str, item: PreparedTurn) -> _Match | None:
@@ -474,6 +505,11 @@ class ParentWait:
         """The held turns, oldest first, to link again with the next batch (:meth:`hold` keeps their deadlines)."""
         turns, self._turns = self._turns, []
         return turns
+
+
+def _oldest_first(row: Any) -> tuple[Any, str]:
+    """A tail lookup's row (``_TAIL_COLUMNS``) by arrival, then id: the order the prefix probe reads in."""
+    return row[5], row[0]
 
 
 def _last_assistant(messages: list[dict[str, Any]]) -> int | None:

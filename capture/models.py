@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 4  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 5  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -45,6 +45,8 @@ class Turn(SQLModel, table=True):
     """One sampled answer to one request: a node in a trajectory's tree of turns."""
 
     __tablename__ = "turns"
+    # The tail rule's agreeing lookup: an answer after the same message, read without the others that gave it
+    __table_args__ = (Index("ix_turns_h_answer_h_replied_to", "h_answer", "h_replied_to"),)
     id: str = Field(primary_key=True)
     trajectory_id: str = Field(index=True)
     parent_turn_id: str | None = Field(default=None, index=True)

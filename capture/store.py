@@ -65,10 +65,18 @@ def _tail_links(connection: Any) -> None:
     connection.execute(text("CREATE INDEX ix_trajectories_parent_trajectory_id ON trajectories (parent_trajectory_id)"))
 
 
+def _tail_evidence_index(connection: Any) -> None:
+    """4 -> 5: an index on (h_answer, h_replied_to): the tail rule reads the turns that gave an answer after the same
+    message without reading every turn that gave the answer ("OK" may be thousands)."""
+    connection.execute(text("CREATE INDEX ix_turns_h_answer_h_replied_to ON turns (h_answer, h_replied_to)"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
-                                          3: ("linker: tail links, history edits, sub-agent parents", _tail_links)}
+                                          3: ("linker: tail links, history edits, sub-agent parents", _tail_links),
+                                          4: ("linker: the tail rule's (answer, replied-to) index",
+                                              _tail_evidence_index)}
 
 
 CONFLICT_ATTEMPTS = 5

@@ -97,3 +97,30 @@ def test_turns_land_in_their_columns_when_the_file_orders_columns_differently(tm
         assert turn.trajectory_id.startswith("traj_") and turn.depth == 0 and turn.parent_turn_id is None
     finally:
         store.close()
+
+
+def test_a_popular_answer_links_by_what_it_replied_to_and_is_refused_alone_without_reading_its_turns(
+        store: Store) -> None:
+    """"OK" given by more stored turns than TAIL_CANDIDATES: a conversation whose system prompt changed still
+    continues the one turn that said "OK" to the same message; "OK" after a message no such turn replied to is
+    ambiguous, refused, and the lookup reads none of the turns that said it."""
+    from capture.linker import TAIL_CANDIDATES, TrajectoryLinker
+
+    many = TAIL_CANDIDATES + 8
+    write(store, *(exchange(i, [{"role": "system", "content": "at 10:00"}, {"role": "user", "content": f"task {i}"}],
+                            "OK") for i in range(many)))
+    later = [{"role": "system", "content": "at 10:05"}, {"role": "user", "content": "task 7"},
+             {"role": "assistant", "content": "OK"}, {"role": "user", "content": "go on"}]
+    elsewhere = [{"role": "system", "content": "at 10:05"}, {"role": "user", "content": "a task nobody gave"},
+                 {"role": "assistant", "content": "OK"}, {"role": "user", "content": "go on"}]
+    with store.session() as session:
+        linker = TrajectoryLinker(session)
+        linker.prefetch(prepare_turns(exchange(many + 1, elsewhere, "done"), None))
+        assert len(linker._candidates) == 0  # refused from a bounded read: no turn that said "OK" was loaded
+    write(store, exchange(many, later, "done"), exchange(many + 1, elsewhere, "done too"))
+    with store.session() as session:
+        turns = {t.response_message["content"]: t for t in session.exec(select(Turn))
+                 if t.response_message["content"] != "OK"}
+        seventh = session.exec(select(Turn).where(Turn.completion_id == "chatcmpl-7")).one()
+    assert (turns["done"].link_rule, turns["done"].parent_turn_id) == ("tail", seventh.id)
+    assert (turns["done too"].link_rule, turns["done too"].parent_turn_id) == ("new", None)
