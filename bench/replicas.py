@@ -1,6 +1,6 @@
 """Gateway replicas on one PostgreSQL store: throughput with one replica vs two, and the linker's lookup time.
 
-    python -m bench.replicas                       # ~5 min on 2 cores: both parts, three tables
+    python -m bench.replicas                       # ~3.5 min on 2 cores: both parts, three tables
     python -m bench.replicas --out replicas.json   # also the raw numbers
     python -m bench.replicas --quick               # smoke run (~1 min): short windows, 1k and 10k turns
     python -m bench.replicas --parts throughput --upstream fixed --rounds 4   # every answer the same
@@ -25,8 +25,8 @@ answer names the question it answers, so answers differ between conversations as
    1-s batches) requests are counted for ``--seconds``. ``--rounds`` rounds, the two phases of a
    round in ABBA order: the ratio two/one is the median of the rounds' ratios, so the machine's drift
    lands on both. CPU per request by process group comes from ``/proc`` (schedstat); the capture
-   backlog (turns a gateway handed to its store process and not yet written, from ``/metrics``) is
-   read at each window's end. After the load the clients finish their conversations, the script waits
+   backlog (turns answered in a configuration and not in its database yet: ``count(*)``) is read at
+   each window's end. After the load the clients finish their conversations, the script waits
    until every store process has written what it was sent (up to ``--drain-timeout-s``), stops the
    gateways (each store process writes what it holds), and then every turn sent must be stored and
    every conversation be one trajectory of ``--conversation-turns`` turns: the run fails otherwise.
@@ -201,9 +201,13 @@ class Postgres:
             connection.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def stored_turns(self, database: str) -> int:
+        with self._connect(database) as connection:
+            return int(connection.execute("SELECT count(*) FROM turns").fetchone()[0])  # type: ignore[index]
+
+    def _connect(self, database: str = "postgres") -> psycopg.Connection[Any]:
         return psycopg.connect(host="127.0.0.1", port=self.port, user="flywheel", password=self.password,
-                               dbname="postgres", autocommit=True)
+                               dbname=database, autocommit=True)
 
     def pids(self) -> list[int]:
         """The postmaster and its children (backends, background workers): all their CPU counts."""
@@ -349,7 +353,8 @@ def cpu_groups(groups: dict[str, list[int]]) -> dict[str, float]:
 
 
 async def throughput(args: Args, workdir: Path, pg: Postgres, console: Console) -> dict[str, Any]:
-    urls = {MODES[0]: pg.create_database("one"), MODES[1]: pg.create_database("two")}
+    databases = {MODES[0]: "one", MODES[1]: "two"}
+    urls = {mode: pg.create_database(name) for mode, name in databases.items()}
     mock = start_upstream(workdir, args.upstream)
     gateways: list[Server] = []
     try:
@@ -365,7 +370,11 @@ async def throughput(args: Args, workdir: Path, pg: Postgres, console: Console) 
         for target in targets.values():
             target.connections = [await Connection.open(target.port) for _ in range(args.concurrency)]
         load = Load({MODES[0]: [targets["one"]], MODES[1]: [targets["two-a"], targets["two-b"]]})
-        by_mode = {MODES[0]: [gateways[0]], MODES[1]: gateways[1:]}
+
+        async def backlog(mode: str) -> int:
+            """Turns answered in this configuration and not in its database yet (queued, held, spooled)."""
+            return load.completed[mode] - await asyncio.to_thread(pg.stored_turns, databases[mode])
+
         store_pids = [p.pid for g in gateways for p in psutil.Process(g.proc.pid).children(recursive=True)]
         groups = {"gateway": [g.proc.pid for g in gateways], "store": store_pids, "postgres": pg.pids(),
                   "mock": [mock.proc.pid], "client": [os.getpid()]}
@@ -391,8 +400,8 @@ async def throughput(args: Args, workdir: Path, pg: Postgres, console: Console) 
                         n, elapsed, cpu1 = load.completed[mode] - n0, time.perf_counter() - t0, cpu_groups(groups)
                         used = {name: cpu1[name] - cpu0[name] for name in cpu0}
                         ours = sum(v for name, v in used.items() if name != "machine")
-                        backlog = sum([await asyncio.to_thread(capture_backlog, g) for g in by_mode[mode]])
-                        windows[mode].append({"req_per_s": n / elapsed, "requests": n, "capture_backlog": backlog,
+                        windows[mode].append({"req_per_s": n / elapsed, "requests": n,
+                                              "capture_backlog": await backlog(mode),
                                               **{f"{name}_cpu_ms": 1000 * used[name] / n for name in groups},
                                               "other_cores": max(0.0, used["machine"] - ours) / elapsed})
                         progress.advance(task)
@@ -403,7 +412,14 @@ async def throughput(args: Args, workdir: Path, pg: Postgres, console: Console) 
             for connection in target.connections:
                 connection.close()
         console.log("load stopped; waiting for the store processes to write what they were sent")
-        drain = {mode: await drain_capture(by_mode[mode], args.drain_timeout_s) for mode in MODES}
+        drain = {}
+        for mode in MODES:  # how long until the database holds every turn answered
+            started = time.perf_counter()
+            at_stop = left = await backlog(mode)
+            while left > 0 and time.perf_counter() - started < args.drain_timeout_s:
+                await asyncio.sleep(0.5)
+                left = await backlog(mode)
+            drain[mode] = {"backlog_at_load_stop": at_stop, "seconds": time.perf_counter() - started, "left": left}
         capture_counts = {g.name: capture_metrics(g) for g in gateways}
         console.log("stopping the gateways (each store process writes what it holds)")
         stop_gateways(gateways)
@@ -439,23 +455,6 @@ def capture_metrics(gateway: Server) -> dict[str, float]:
     prefix = 'flywheel_capture_turns_total{state="'
     return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
             if line.startswith(prefix)}
-
-
-def capture_backlog(gateway: Server) -> int:
-    """Turns the gateway handed to its store process that are not written yet (queued, or held for a parent)."""
-    c = capture_metrics(gateway)
-    return int(c.get("queued", 0) - c.get("written", 0) - c.get("spooled", 0) - c.get("failed", 0))
-
-
-async def drain_capture(gateways: list[Server], timeout_s: float) -> dict[str, float]:
-    """Wait until the gateways' store processes have written what they were sent; how long it took, and what
-    was left when it did not finish in time."""
-    started = time.perf_counter()
-    at_start = left = sum([await asyncio.to_thread(capture_backlog, g) for g in gateways])
-    while left > 0 and time.perf_counter() - started < timeout_s:
-        await asyncio.sleep(0.5)
-        left = sum([await asyncio.to_thread(capture_backlog, g) for g in gateways])
-    return {"backlog_at_load_stop": at_start, "seconds": time.perf_counter() - started, "left": left}
 
 
 def spooled_lines(data_dir: Path) -> int:
