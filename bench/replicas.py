@@ -608,14 +608,18 @@ def time_lookups(store: Store, kind: str, conversations: dict[int, str], count: 
 
 def plans(store: Store) -> dict[str, str]:
     """How PostgreSQL runs each of the linker's queries here: the plan's scan nodes."""
-    probe = {"hashes": ["0" * 64]}
+    probe: dict[str, Any] = {"hashes": ["0" * 64]}
     trajectories = linker_module._TRAJECTORIES
     lock_query = (sa_select(*trajectories.columns).where(trajectories.c.id.in_(["traj_x"]))
                   .order_by(trajectories.c.id).with_for_update())
-    queries = {
+    queries: dict[str, tuple[Any, dict[str, Any]]] = {
         "h_out probe": (linker_module._CANDIDATES, probe),
-        "h_answer probe": (linker_module._ANSWERS, probe),
-        "h_answer probe, popular answer": (linker_module._ANSWERS, {"hashes": [message_hash(POPULAR_ANSWER)]}),
+        "h_answer probe": (linker_module._ANSWERS, {"h": "0" * 64, "limit": linker_module.TAIL_CANDIDATES + 1}),
+        "h_answer probe, popular answer": (linker_module._ANSWERS, {"h": message_hash(POPULAR_ANSWER),
+                                                                    "limit": linker_module.TAIL_CANDIDATES + 1}),
+        "(h_answer, h_replied_to) probe, popular answer": (
+            linker_module._AGREEING, {"h": message_hash(POPULAR_ANSWER), "r": "0" * 64,
+                                      "limit": linker_module.TAIL_CANDIDATES + 1}),
         "children": (linker_module._PARENTS, {"ids": ["turn_x"]}),
         "trajectories FOR UPDATE": (text(str(lock_query.compile(dialect=postgresql.dialect(),
                                                                 compile_kwargs={"literal_binds": True}))), {}),
@@ -624,8 +628,9 @@ def plans(store: Store) -> dict[str, str]:
     with store.engine.connect() as connection:
         for name, (query, params) in queries.items():
             explain = text("EXPLAIN " + query.text)
-            for key in params:
-                explain = explain.bindparams(bindparam(key, expanding=True))
+            for key, value in params.items():
+                if isinstance(value, list):
+                    explain = explain.bindparams(bindparam(key, expanding=True))
             lines = [row[0].strip() for row in connection.execute(explain, params)]
             out[name] = "; ".join(line.removeprefix("->").strip().split("  (")[0] for line in lines
                                   if "Scan" in line)
