@@ -233,6 +233,11 @@ def test_flywheel_trainer_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, 
     try:
         wrong = run("--gateway", gateway.url, "--admin-key", "admin", "--alias", "nope", "--once")
         assert wrong.returncode == 2 and "no alias named 'nope'" in wrong.stderr, wrong.stderr
+        for flags, said in ((["--set", "learning_rat=1e-5"], "GRPOArgs has no field 'learning_rat'"),
+                            (["--launch", "accelerate launch --config_file 'x"], "--launch: No closing quotation")):
+            refused = run("--gateway", gateway.url, "--admin-key", "admin", *flags, "--once")
+            assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr, \
+                refused.stderr
         once = run("--gateway", gateway.url, "--admin-key", "admin", "--once")  # nothing due: it asks and exits
         assert once.returncode == 0 and "0 rounds trained, 0 failed" in once.stdout, once.stdout + once.stderr
     finally:

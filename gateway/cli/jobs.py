@@ -183,14 +183,21 @@ def describe_round(outcome: RoundOutcome, promote: bool) -> str:
 
 
 def field_values(pairs: list[str]) -> dict[str, Any]:
-    """``["max_steps=8", "loss_type=grpo"]`` -> typed values (JSON where it parses, else the string)."""
+    """``["max_steps=8", "loss_type=grpo"]`` -> typed values (JSON where it parses, else the string), each a
+    GRPOArgs field."""
     import json
+    from dataclasses import fields
 
+    from trainer.grpo import GRPOArgs
+
+    known = {f.name for f in fields(GRPOArgs)}
     values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             fail(f"--set: expected FIELD=VALUE, got {pair!r}")
+        if key.strip() not in known:
+            fail(f"--set: GRPOArgs has no field {key.strip()!r}")
         try:
             values[key.strip()] = json.loads(raw)
         except ValueError:
