@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from tests.gateway_process import GatewayProcess
-from tests.test_loop_versions import admin, fake_adapter, served_by
-from tests.vllm_standin import BASE, VllmStandIn
+from tests.test_loop_versions import admin, fake_adapter, served_by, start
+from tests.vllm_standin import VllmStandIn
 from tests.waiting import wait_for
 
 FOLLOW_S = 0.5  # replicas.follow_s and campaign_s: a switch or a takeover within about this
@@ -32,21 +32,13 @@ def vllm() -> Iterator[VllmStandIn]:
 
 
 def replica(tmp_path: Path, vllm: VllmStandIn, database: str, name: str) -> GatewayProcess:
-    return GatewayProcess(tmp_path, f"""
-adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
-[engines.vllm]
-base_url = "{vllm.base_url}"
-[aliases.agent]
-engine = "vllm"
-base_model = "{BASE}"
-[auth]
-admin_key = "admin"
+    return start(tmp_path, vllm, f"""
 [capture]
 database = "{database}"
 [replicas]
 follow_s = {FOLLOW_S}
 campaign_s = {FOLLOW_S}
-""", name=name).start()
+""", name=name)
 
 
 def role(gateway: GatewayProcess) -> str:

@@ -20,8 +20,8 @@ from tests.colour_task import ANSWERS, PROMPT
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
-from tests.test_loop_versions import CANARY, admin, converse, fake_adapter, status
-from tests.vllm_standin import BASE, VllmStandIn
+from tests.test_loop_versions import CANARY, admin, converse, fake_adapter, start, status
+from tests.vllm_standin import VllmStandIn
 from tests.waiting import wait_for
 
 
@@ -67,16 +67,7 @@ holdout_fraction = 0.0  # both conversations must form the group
 
 def test_a_restart_mid_canary_resumes_it(tmp_path: Path) -> None:
     with VllmStandIn() as vllm:
-        gateway = GatewayProcess(tmp_path, f"""
-adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
-[engines.vllm]
-base_url = "{vllm.base_url}"
-[aliases.agent]
-engine = "vllm"
-base_model = "{BASE}"
-[auth]
-admin_key = "admin"
-{CANARY}""", name="gw").start()
+        gateway = start(tmp_path, vllm, CANARY)
         admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
         started = wait_for(lambda: status(gateway)["canary"], what="the canary")["started_at"]
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)

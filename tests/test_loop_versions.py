@@ -42,18 +42,21 @@ def fake_adapter(root: Path, name: str) -> str:
     return str(path)
 
 
-def start(tmp_path: Path, vllm: VllmStandIn, loop: str = "[loop]\nenabled = false\n",
-          name: str = "gw") -> GatewayProcess:
+def start(tmp_path: Path, vllm: VllmStandIn, tail: str = "[loop]\nenabled = false\n",
+          name: str = "gw", engine: str = "") -> GatewayProcess:
+    """A gateway in front of the vLLM stand-in, admin key "admin"; ``tail``: the sections after (the loop's, by
+    default); ``engine``: more lines for ``[engines.vllm]``."""
     return GatewayProcess(tmp_path, f"""
 adapter_dirs = ["{tmp_path}"]  # fake_adapter writes there
 [engines.vllm]
 base_url = "{vllm.base_url}"
+{engine}
 [aliases.agent]
 engine = "vllm"
 base_model = "{BASE}"
 [auth]
 admin_key = "admin"
-{loop}""", name=name).start()
+{tail}""", name=name).start()
 
 
 def admin(gateway: GatewayProcess, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -113,19 +116,7 @@ def test_every_switch_gets_its_own_version_and_the_manual_one_survives_a_restart
 def test_every_vllm_replica_loads_each_version_and_a_replica_that_lost_it_gets_it_again(tmp_path: Path,
                                                                                          vllm: VllmStandIn) -> None:
     with VllmStandIn() as second:  # two vLLM servers; traffic goes to the first (a load balancer's stand-in)
-        gateway = GatewayProcess(tmp_path, f"""
-adapter_dirs = ["{tmp_path}"]
-[engines.vllm]
-base_url = "{vllm.base_url}"
-replica_urls = ["{vllm.base_url}", "{second.base_url}"]
-[aliases.agent]
-engine = "vllm"
-base_model = "{BASE}"
-[auth]
-admin_key = "admin"
-[loop]
-enabled = false
-""").start()
+        gateway = start(tmp_path, vllm, engine=f'replica_urls = ["{vllm.base_url}", "{second.base_url}"]')
         try:
             one, two = fake_adapter(tmp_path, "one"), fake_adapter(tmp_path, "two")
             assert admin(gateway, "PUT", "/aliases/agent/adapter", json={"path": one})["adapter"] == "agent@1"
