@@ -105,7 +105,7 @@ LaunchOption = Annotated[str | None, typer.Option(
 def launcher_of(launch: str | None) -> list[str] | None:
     """``--launch``'s words (one line and exit 2 when its quoting is broken)."""
     try:
-        return shlex.split(launch) or None if launch else None
+        return shlex.split(launch or "") or None
     except ValueError as exc:
         fail(f"--launch: {exc}")
 

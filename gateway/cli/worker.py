@@ -20,10 +20,18 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 
-from gateway.cli.common import AdminKeyOption, ConfigOption, GatewayOption, Target, error_message, fail, locate
+from gateway.cli.common import (
+    AdminKeyOption,
+    ConfigOption,
+    GatewayOption,
+    Location,
+    Target,
+    admin_call,
+    fail,
+    locate,
+)
 from gateway.cli.jobs import LaunchOption, describe_round, field_values, launcher_of
 
 
@@ -57,7 +65,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
     location = locate(Target(config, gateway, admin_key, None, None))
     if location.url is None:
         fail("flywheel trainer works through a running gateway: give --gateway URL")
-    aliases = _aliases_to_train(location.url, location.admin_key, alias)
+    aliases = _aliases_to_train(location, alias)
     overrides, launcher = field_values(set_ or []), launcher_of(launch)
     if threads:
         import torch
@@ -96,20 +104,13 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
         typer.echo(f"trainer worker stopped: {rounds} rounds trained, {failed} failed")
 
 
-def _aliases_to_train(url: str, admin_key: str | None, wanted: list[str] | None) -> list[str]:
+def _aliases_to_train(location: Location, wanted: list[str] | None) -> list[str]:
     """The gateway's aliases (only ``wanted``, each checked); refuses a gateway that trains by itself."""
-    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
-    try:
-        response = httpx.get(url.rstrip("/") + "/flywheel/v1/status", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        fail(f"no gateway answers at {url}: {type(exc).__name__}")
-    if response.status_code != 200:
-        fail(f"the gateway answered {response.status_code}: {error_message(response)}")
-    entries = response.json()["aliases"]
+    entries = admin_call(location, "GET", "/flywheel/v1/status", timeout_s=30)["aliases"]
     served = [entry["alias"] for entry in entries]
     if not any(entry["loop"].get("workers") for entry in entries):
-        fail(f"the gateway at {url} trains in its own process: set [train] workers = true there to hand rounds "
-             "to trainer workers")
+        fail(f"the gateway at {location.url} trains in its own process: set [train] workers = true there to hand "
+             "rounds to trainer workers")
     unknown = [name for name in wanted or [] if name not in served]
     if unknown:
         fail(f"--alias: the gateway serves no alias named {unknown[0]!r} (it serves {', '.join(served)})")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,18 +69,26 @@ class AdminApi:
                                    timeout=timeout_s)
         self.workdir = workdir  # None: the gateway's adapter directory is reachable here (a shared volume)
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    @contextmanager
+    def _response(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """The gateway's answer, streamed, when it is a 200; anything else, or none, is a RoundError saying why."""
         try:
-            response = self.client.request(method, path, **kwargs)
+            with self.client.stream(method, path, **kwargs) as response:
+                if response.status_code != 200:
+                    response.read()
+                    try:
+                        message = response.json()["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        message = response.text[:200]
+                    raise RoundError(f"gateway answered {response.status_code}: {message}")
+                yield response
         except httpx.HTTPError as exc:
             raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
-        if response.status_code != 200:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:200]
-            raise RoundError(f"gateway answered {response.status_code}: {message}")
-        return response.json()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        with self._response(method, path, **kwargs) as response:
+            response.read()
+            return response.json()
 
     def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
         params = {"alias": alias} | ({"max_groups": str(max_groups)} if max_groups else {})  # else the gateway's
@@ -103,16 +113,9 @@ class AdminApi:
 
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir.parent) as archive:
-            try:
-                with self.client.stream("GET", f"/adapters/{alias}/{version}") as response:
-                    if response.status_code != 200:
-                        response.read()
-                        raise RoundError(f"gateway answered {response.status_code} for version {version}: "
-                                         f"{response.text[:200]}")
-                    for chunk in response.iter_bytes():
-                        archive.write(chunk)
-            except httpx.HTTPError as exc:
-                raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
+            with self._response("GET", f"/adapters/{alias}/{version}") as response:
+                for chunk in response.iter_bytes():
+                    archive.write(chunk)
             archive.seek(0)
             try:
                 adapters.unpack(archive, out_dir)
