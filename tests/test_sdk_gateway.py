@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,10 +324,12 @@ async def test_an_art_rollout_runs_unchanged(gateway: GatewayProcess, judge: Scr
     for group in groups:
         for trajectory in group:
             verdict = trajectory.messages()[-1]["content"]
-            goods = verdict.count("good")
+            # The judge counts the word in all the trajectory shows it: the tiny model may say it too.
+            shown = " ".join(m["content"] or "" for m in trajectory.messages()[2:])
+            goods = len(re.findall(r"\bgood\b", shown, re.IGNORECASE))
             assert trajectory.metrics["ruler_score"] == trajectory.reward == pytest.approx(goods / (goods + 1),
                                                                                        abs=1e-4)
-            assert trajectory.metrics["independent_reward"] == (1.0 if goods else 0.0)
+            assert trajectory.metrics["independent_reward"] == (1.0 if "good" in verdict else 0.0)
             assert trajectory.logs and trajectory.logs[-1].startswith("RULER explanation:")
             assert trajectory.id is not None  # each rollout's calls carried its own trajectory id
     assert len(judge.requests) == 2
