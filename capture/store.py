@@ -79,7 +79,7 @@ MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version d
                                               _tail_evidence_index)}
 
 
-CONFLICT_ATTEMPTS = 5
+CONFLICT_RETRY_S = 5.0  # a job's transaction (forming groups, scoring) may hold a trajectory for a second or more
 T = TypeVar("T")
 
 
@@ -88,18 +88,22 @@ def retry_on_conflict(write: Callable[[], T]) -> T:
 
     DuckDB's concurrency is optimistic: two transactions updating one trajectory (a batch of turns
     continuing it, feedback closing it) is a "Conflict on update/tuple deletion", and the loser is
-    rolled back. Its work is still valid, so it runs again on fresh state after a short pause.
-    On PostgreSQL a writer locks the rows it changes and the other waits, so this never triggers there.
+    rolled back. Its work is still valid, so it runs again on fresh state after a pause that doubles
+    (5 ms up to 0.25 s), for up to ``CONFLICT_RETRY_S``. The conflict may come through SQLAlchemy
+    (a ``DBAPIError``) or straight from DuckDB's relation API (the Arrow paths). On PostgreSQL a writer
+    locks the rows it changes and the other waits, so this never triggers there.
     """
-    for attempt in range(CONFLICT_ATTEMPTS):
+    deadline = time.monotonic() + CONFLICT_RETRY_S
+    attempt = 0
+    while True:
         try:
             return write()
-        except DBAPIError as exc:
-            if "Conflict on" not in str(exc.orig) or attempt == CONFLICT_ATTEMPTS - 1:
+        except Exception as exc:
+            if "Conflict on" not in str(getattr(exc, "orig", exc)) or time.monotonic() > deadline:
                 raise
-            log.info("write conflict (attempt %d): running the transaction again", attempt + 1)
-            time.sleep(0.005 * 2 ** attempt)  # the winner commits within milliseconds
-    raise AssertionError("unreachable")
+            attempt += 1
+            log.info("write conflict (attempt %d): running the transaction again", attempt)
+            time.sleep(min(0.005 * 2 ** (attempt - 1), 0.25))  # the winner usually commits within milliseconds
 
 
 class SchemaError(RuntimeError):
@@ -398,10 +402,11 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
     connection = _duckdb_connection(session)
     view = f"_flywheel_rows_{table.name}"
     connection.register(view, _arrow_table(table, rows, columns))
-    try:
-        yield view
-    finally:
-        connection.unregister(view)
+    yield view
+    # Not in a finally: after a failed statement (a write conflict) DuckDB refuses even this in the aborted
+    # transaction, and that error would replace the conflict, which retry_on_conflict retries. A view left
+    # registered is replaced by the next register of its name.
+    connection.unregister(view)
 
 
 def _arrow_table(table: Any, rows: list[dict[str, Any]], columns: list[str]) -> Any:

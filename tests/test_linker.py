@@ -6,11 +6,16 @@ write path as PostgreSQL (executemany instead of DuckDB's Arrow inserts and upda
 
 from __future__ import annotations
 
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import pytest
+from sqlalchemy import text
 from sqlmodel import col, select
 
 from capture.models import Trajectory, Turn
@@ -124,3 +129,28 @@ def test_a_popular_answer_links_by_what_it_replied_to_and_is_refused_alone_witho
         seventh = session.exec(select(Turn).where(Turn.completion_id == "chatcmpl-7")).one()
     assert (turns["done"].link_rule, turns["done"].parent_turn_id) == ("tail", seventh.id)
     assert (turns["done too"].link_rule, turns["done too"].parent_turn_id) == ("new", None)
+
+
+def test_a_batch_that_conflicts_with_a_job_holding_its_trajectory_is_written_once_the_job_commits(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """DuckDB: a batch continuing a trajectory that another transaction (a loop job) is updating loses the
+    write conflict, waits and runs again; it is neither failed nor spooled. (The Arrow UPDATE's clean-up once
+    replaced the conflict with "transaction is aborted", which no retry recognised.)"""
+    store = Store(tmp_path / "flywheel.duckdb")
+    q1 = [{"role": "user", "content": "hello"}]
+    write(store, exchange(1, q1, "hi"))
+    caplog.set_level(logging.INFO, logger="flywheel.store")
+    with store.session() as job, ThreadPoolExecutor(1) as pool:
+        job.execute(text("UPDATE trajectories SET group_key = 'g1'"))  # as forming groups does; not committed yet
+        batch = pool.submit(write, store, exchange(2, [*q1, {"role": "assistant", "content": "hi"},
+                                                       {"role": "user", "content": "again"}], "hi again"))
+        deadline = time.monotonic() + 10
+        while "write conflict" not in caplog.text and not batch.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert "write conflict (attempt 1)" in caplog.text
+        job.commit()
+        batch.result(timeout=10)
+    with store.session() as session:
+        trajectory = session.exec(select(Trajectory)).one()
+    assert (trajectory.turn_count, trajectory.group_key) == (2, "g1")
+    store.close()
