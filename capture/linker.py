@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from sqlalchemy import bindparam, text
@@ -49,6 +49,7 @@ from capture.models import Trajectory, Turn
 from capture.turns import PreparedTurn, new_id
 
 log = logging.getLogger("flywheel.linker")
+T = TypeVar("T")
 
 # The linker's hot queries as plain SQL: duckdb_engine turns off SQLAlchemy's statement
 # cache, and compiling an ORM select costs more than DuckDB's indexed lookup itself.
@@ -58,14 +59,19 @@ _CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_ans
 # The tail rule's lookups, one answer at a time and at most TAIL_CANDIDATES + 1 rows: an index range read,
 # however many turns gave the answer. First the turns that also replied to the same message (the
 # (h_answer, h_replied_to) index), then any that gave the answer.
-_TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at FROM turns "
+_TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at, h_answer FROM turns "
 _AGREEING = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND h_replied_to = :r AND source <> 'fork' LIMIT :limit")
-# DuckDB plans a sequential scan for two selective equalities (it scans an index only when the other filters look
-# unselective: 5.5 ms at 1M turns against 0.6 ms, measured), and its ART indexes serve one column only; compared as
-# one concatenation, h_replied_to gives the planner no statistics, and the read stays on the h_answer index.
-_AGREEING_DUCKDB = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND h_answer || h_replied_to = :hr AND source <> 'fork' "
-                        "LIMIT :limit")
 _ANSWERS = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND source <> 'fork' LIMIT :limit")
+# On DuckDB a statement costs ~0.5 ms whatever it reads, so the batch's answers go in two statements, each answer's
+# rows capped in the query (QUALIFY). The pair is compared as one concatenation: DuckDB plans a sequential scan for
+# two selective equalities (it scans an index only when the other filters look unselective: 5.5 ms at 1M turns
+# against 0.6 ms, measured), and its ART indexes serve one column only; the read stays on the h_answer index.
+_ANSWERS_BATCH = text(_TAIL_COLUMNS + "WHERE h_answer IN :answers AND source <> 'fork' "
+                      "QUALIFY row_number() OVER (PARTITION BY h_answer) <= :limit"
+                      ).bindparams(bindparam("answers", expanding=True))
+_AGREEING_BATCH = text(_TAIL_COLUMNS + "WHERE h_answer IN :answers AND h_answer || h_replied_to IN :pairs "
+                       "AND source <> 'fork' QUALIFY row_number() OVER (PARTITION BY h_answer, h_replied_to) <= :limit"
+                       ).bindparams(bindparam("answers", expanding=True), bindparam("pairs", expanding=True))
 _PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id IN :ids").bindparams(
     bindparam("ids", expanding=True))
 _CONVERSATIONS = text("SELECT id, request_messages, response_message FROM turns WHERE id IN :ids").bindparams(
@@ -131,7 +137,7 @@ class TrajectoryLinker:
     def __init__(self, session: Session, *, lock: bool = False) -> None:
         self.session = session
         self.lock = lock  # several writers: lock the trajectories a batch may continue (PostgreSQL)
-        self._agreeing = _AGREEING_DUCKDB if session.get_bind().dialect.name == "duckdb" else _AGREEING
+        self._batched_tails = session.get_bind().dialect.name == "duckdb"  # _probe_answers: statements are dear
         # Plain records, not ORM objects: building SQLModel objects costs ~0.4 ms each, and the ORM
         # would flush every changed one as its own UPDATE (~1 ms each on DuckDB).
         self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
@@ -202,23 +208,34 @@ class TrajectoryLinker:
         """For each (answer, message it replied to): the stored turns that gave the answer after that message, and
         those that gave it at all, into ``_by_answer`` (oldest first); either set larger than TAIL_CANDIDATES goes
         into ``_popular`` instead, none of its turns read."""
-        for answer, replied_to in sorted(tails, key=str):
-            lookups: list[tuple[tuple[str, str | None], Any, dict[str, str]]] = [
-                ((answer, None), _ANSWERS, {"h": answer}),
-                *([((answer, replied_to), self._agreeing, {"h": answer, "r": replied_to, "hr": answer + replied_to})]
-                  if replied_to else [])]
-            for key, query, params in lookups:
-                if key in self._by_answer or key in self._popular:
-                    continue
-                rows = self.session.execute(query, {**params, "limit": TAIL_CANDIDATES + 1}).all()
-                if len(rows) > TAIL_CANDIDATES:
-                    self._popular.add(key)
-                    continue
-                self._by_answer[key] = []
-                for turn_id, trajectory_id, depth, client_key, h_replied_to, _ in sorted(rows, key=_oldest_first):
-                    candidate = self._candidate(turn_id, trajectory_id, depth, client_key)
-                    candidate.h_answer, candidate.h_replied_to = answer, h_replied_to
-                    self._by_answer[key].append(candidate)
+        keys = {key for answer, replied_to in tails for key in ((answer, None), (answer, replied_to)) if
+                key not in self._by_answer and key not in self._popular}
+        limit = TAIL_CANDIDATES + 1
+        found: dict[tuple[str, str | None], list[Any]] = {key: [] for key in keys}
+        if self._batched_tails:
+            answers = sorted({answer for answer, _ in keys})
+            pairs = sorted((answer, replied_to) for answer, replied_to in keys if replied_to)
+            for chunk in chunks(answers, 500):
+                for row in self.session.execute(_ANSWERS_BATCH, {"answers": chunk, "limit": limit}).all():
+                    found[(row[6], None)].append(row)
+            for some in chunks(pairs, 500):
+                params = {"answers": sorted({a for a, _ in some}), "pairs": [a + r for a, r in some], "limit": limit}
+                for row in self.session.execute(_AGREEING_BATCH, params).all():
+                    found[(row[6], row[4])].append(row)
+        else:  # PostgreSQL: one bounded index range read per key (LIMIT), however many turns gave the answer
+            for answer, replied_to in sorted(keys, key=str):
+                query, params = (_AGREEING, {"r": replied_to}) if replied_to else (_ANSWERS, {})
+                found[(answer, replied_to)] = list(self.session.execute(query, {"h": answer, "limit": limit,
+                                                                                **params}).all())
+        for key, rows in found.items():
+            if len(rows) > TAIL_CANDIDATES:
+                self._popular.add(key)
+                continue
+            self._by_answer[key] = []
+            for turn_id, trajectory_id, depth, client_key, h_replied_to, *_ in sorted(rows, key=_oldest_first):
+                candidate = self._candidate(turn_id, trajectory_id, depth, client_key)
+                candidate.h_answer, candidate.h_replied_to = key[0], h_replied_to
+                self._by_answer[key].append(candidate)
 
     def _resolves(self, item: PreparedTurn, h: str) -> bool:
         """Whether the stored turns ending in ``h`` settle this turn's parent: some exist (same key; same explicit
@@ -538,6 +555,6 @@ def _json_value(value: Any) -> Any:
     return orjson.loads(value) if isinstance(value, str | bytes) else value
 
 
-def chunks(items: list[str], size: int) -> Iterator[list[str]]:
+def chunks(items: list[T], size: int) -> Iterator[list[T]]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
