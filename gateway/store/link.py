@@ -44,6 +44,7 @@ log = logging.getLogger("flywheel.store_link")
 
 INGEST_SEQ_HEADER = "x-flywheel-ingest-seq"  # exchanges the gateway had streamed when it forwarded a request
 CLIENT_HOST_HEADER = "x-flywheel-client-host"  # the forwarded request's client address
+STORE_KEEPALIVE_S = 15.0  # how long the gateway keeps an idle connection to the store process (its server: 4x)
 
 # Headers that describe one hop of a connection, not the request: never forwarded.
 _HOP_BY_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -225,7 +226,8 @@ class StoreLink:
         await self._proc.stdin.drain()
         self._proc.stdin.close()
         if self._http is None:
-            self._http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(self.api_socket)),
+            connector = aiohttp.UnixConnector(path=str(self.api_socket), keepalive_timeout=STORE_KEEPALIVE_S)
+            self._http = aiohttp.ClientSession(connector=connector,
                                                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         await self._wait_ready(timeout_s)
         self._ingest_eof, self._ingest = await asyncio.open_unix_connection(str(self.ingest_socket))

@@ -47,7 +47,7 @@ from gateway.loop.versions import VersionError
 from gateway.observability.tracing import Tracing
 from gateway.process import tune_gc
 from gateway.protocol import parse_json_object
-from gateway.store.link import CLIENT_HOST_HEADER, redactor_for
+from gateway.store.link import CLIENT_HOST_HEADER, STORE_KEEPALIVE_S, redactor_for
 from gateway.store.memory import limit_memory, memory_report
 from gateway.store.redacted_bodies import RedactedBodies
 from gateway.store.routes import STORE_ROUTERS
@@ -244,8 +244,11 @@ def main() -> None:
     configure_logging(settings)
     import uvicorn
 
+    # Keep-alive well past the gateway's (STORE_KEEPALIVE_S): the client drops an idle connection first, so it never
+    # sends a request down one this server is closing at that moment (CI: a round report failed with ClientOSError).
     uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
-                log_level=settings.log_level, timeout_graceful_shutdown=30)
+                log_level=settings.log_level, timeout_graceful_shutdown=30,
+                timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
 
 
 if __name__ == "__main__":
