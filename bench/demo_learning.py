@@ -49,8 +49,8 @@ from typing import Any
 from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from examples.demo import task
 from gateway.cli.demo import TINY_TRAIN_ARGS
-from gateway.engines.local.toolcalls import parse_tool_calls
-from gateway.process import NotAnswering, free_port, wait_until_answering
+from gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from gateway.serving.engines.local.toolcalls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS_MIN = (2.0, 5.0, 8.0)  # loop-clock minutes at which the summary reads the curve
@@ -141,8 +141,8 @@ class Turn:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Prompt ids as the local engine makes them (gateway/engines/local/prompts.py)."""
-    from gateway.engines.local.prompts import render_chat, template_messages
+    """Prompt ids as the local engine makes them (gateway/serving/engines/local/prompts.py)."""
+    from gateway.serving.engines.local.prompts import render_chat, template_messages
 
     return render_chat(tokenizer, template_messages(messages), task.TOOLS, {})
 

@@ -61,7 +61,7 @@ import httptools
 import orjson
 import psutil
 
-from gateway.process import NotAnswering, free_port, wait_until_answering
+from gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CAPTURE = "flywheel, capture off"  # the same gateway, asked per request not to record the turn

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from gateway.process import free_port, wait_until_answering
+from gateway.core.processes import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "Who are you?"}]

@@ -43,7 +43,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from gateway.process import NotAnswering, free_ports, wait_until_answering
+from gateway.core.processes import NotAnswering, free_ports, wait_until_answering
 
 CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Quito", "Accra", "Perth", "Turin", "Hanoi", "Cusco")
 SYSTEM = {"role": "system", "content": "You are a travel agent. Use the weather tool before you answer."}
@@ -222,7 +222,7 @@ async def sample_memory(gateway: psutil.Process, run: Run, t0: float, every_s: f
 def _store_process(gateway: psutil.Process) -> psutil.Process | None:
     for child in gateway.children():
         try:
-            if "gateway.store.process" in " ".join(child.cmdline()):
+            if "gateway.storeproc.main" in " ".join(child.cmdline()):
                 return child
         except psutil.NoSuchProcess:
             continue

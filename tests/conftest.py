@@ -123,7 +123,7 @@ admin_key = "{ADMIN_KEY}"
 def relay_gateway(local_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[GatewayProcess]:
     """Upstream engine pointed at ``local_gateway``; plus an impatient engine and one whose upstream is down."""
-    from gateway.process import free_port
+    from gateway.core.processes import free_port
 
     upstream = f"{local_gateway.url}/v1"
     gateway = GatewayProcess(tmp_path_factory.mktemp("gw"), f"""

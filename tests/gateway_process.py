@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import psutil
 
-from gateway.process import NotAnswering, free_port, wait_until_answering
+from gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 
 class GatewayProcess:
@@ -62,7 +62,7 @@ class GatewayProcess:
 
     @property
     def store_process(self) -> psutil.Process:
-        (store,) = [p for p in self.children if "gateway.store.process" in p.cmdline()]
+        (store,) = [p for p in self.children if "gateway.storeproc.main" in p.cmdline()]
         return store
 
     def stop(self) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.loop.abtest import SequentialTest
+from gateway.serving.loop.abtest import SequentialTest
 
 Draw = Callable[[random.Random], float]
 

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
-from gateway.process import free_port
+from gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
+from gateway.core.processes import free_port
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import LoopbackServer, ScriptedOpenAI
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from gateway.process import free_port
+from gateway.core.processes import free_port
 
 
 def flywheel(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,5 @@
 """deploy/: every file parses, and every ``flywheel`` command, flag, config key and ``FLYWHEEL_*`` variable it uses
-exists in the CLI (``gateway/cli/main.py``) and the config schema (``gateway/config.py``); docs/deploy.md's
+exists in the CLI (``gateway/cli/main.py``) and the config schema (``gateway/core/config.py``); docs/deploy.md's
 commands too. The images themselves are built and run on GPU machines only (docs/deploy.md says so)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel
 
 from gateway.cli import app
-from gateway.config import CLI_VARIABLES, Settings, load_settings
+from gateway.core.config import CLI_VARIABLES, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

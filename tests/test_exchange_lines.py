@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from capture.turns import CapturedExchange
-from gateway.store.exchange_lines import OFF_LOOP_LINE_BYTES, dumps_in_pieces, estimated_bytes, line_in_pieces
+from gateway.serving.exchange_lines import OFF_LOOP_LINE_BYTES, dumps_in_pieces, estimated_bytes, line_in_pieces
 
 
 def exchange(tokens: int, top: int, prompt: str = "hi") -> CapturedExchange:

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from capture.trajectory import Trajectory
 from gateway.cli import app
-from gateway.process import free_port
+from gateway.core.processes import free_port
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_stored_completions import gateway_config, scripted_reply

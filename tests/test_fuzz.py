@@ -32,10 +32,10 @@ from schemathesis.checks import not_a_server_error
 
 from capture.redaction import Redactor
 from capture.turns import CapturedExchange, prepare_lines
-from gateway.api.openapi import openapi_document
-from gateway.app import build_app
-from gateway.config import Settings
-from gateway.store.routes import STORE_ROUTERS
+from gateway.core.config import Settings
+from gateway.core.openapi import openapi_document
+from gateway.serving.app import build_app
+from gateway.storeproc.routes import STORE_ROUTERS
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 

@@ -181,8 +181,8 @@ def test_the_adapter_directory_is_complete_self_describing_and_vllm_loadable(tra
 
 
 async def test_the_adapter_loads_into_the_local_engine(trained: Trained, tmp_path: Path) -> None:
-    local = pytest.importorskip("gateway.engines.local")
-    from gateway.config import LocalEngineConfig
+    local = pytest.importorskip("gateway.serving.engines.local")
+    from gateway.core.config import LocalEngineConfig
 
     assert trained.result.adapter_dir is not None
     engine = local.LocalEngine(LocalEngineConfig(model=str(trained.tiny)), tmp_path)

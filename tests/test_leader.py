@@ -1,5 +1,5 @@
 """One loop across replicas: two gateways on one real PostgreSQL store elect one leader (the advisory lock in
-``gateway/loop/leader.py``); only it runs the loop's jobs, the other follows what the store says serves,
+``gateway/serving/loop/leader.py``); only it runs the loop's jobs, the other follows what the store says serves,
 and takes the loop over when the leader is killed.
 
 The engine is the vLLM stand-in (``tests/vllm_standin.py``) both replicas share, as they would share one

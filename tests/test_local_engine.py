@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.config import LocalEngineConfig
-from gateway.engines.base import Engine
-from gateway.engines.local import LocalEngine
-from gateway.engines.local.decoding import Choice, Sampling
-from gateway.errors import BadRequest, NotFound, UpstreamError
+from gateway.core.config import LocalEngineConfig
+from gateway.core.errors import BadRequest, NotFound, UpstreamError
+from gateway.serving.engines.base import Engine
+from gateway.serving.engines.local import LocalEngine
+from gateway.serving.engines.local.decoding import Choice, Sampling
 from tests.support import (
     ADAPTER_TEXT,
     GREETING_MESSAGES,
@@ -184,7 +184,7 @@ async def test_tiny_top_p_is_greedy(engine: LocalEngine) -> None:
 
 
 async def test_engine_limits_are_400s_naming_the_field(engine: LocalEngine, tokenizer: Any) -> None:
-    # Bodies reach the engine validated (gateway/protocol.py); what it refuses is what it cannot do or hold.
+    # Bodies reach the engine validated (gateway/core/protocol.py); what it refuses is what it cannot do or hold.
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     chat_cases = [
         (chat_body(response_format={"type": "json_object"}), "response_format"),

@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from gateway.process import free_port
+from gateway.core.processes import free_port
 from tests.colour_task import ANSWERS, PROMPT
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge

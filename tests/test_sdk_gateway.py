@@ -30,7 +30,7 @@ import openai
 import pytest
 from flywheel.rewards import ruler_score_group
 
-from gateway.process import free_port
+from gateway.core.processes import free_port
 from judge import JudgeCallError
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess

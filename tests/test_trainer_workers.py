@@ -220,7 +220,7 @@ def test_the_upload_route_takes_a_reserved_version_s_archive_and_nothing_else(tm
 
 def test_flywheel_trainer_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, vllm: VllmStandIn,
                                                                   tiny_model: Path) -> None:
-    from gateway.process import free_port
+    from gateway.core.processes import free_port
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "gateway", "trainer", *args], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """The dashboard without an admin key: the admin API's rule (loopback clients only), said on the page.
 
 A real gateway process on loopback, asked over HTTP. (A non-loopback client cannot be made here:
-tests only reach loopback addresses; the refusal is the admin API's own check, ``gateway/auth.py``.)
+tests only reach loopback addresses; the refusal is the admin API's own check, ``gateway/core/auth.py``.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Layout of one version (``<data>/adapters/<alias>/<N>/``)::
     optimizer.pt                 optimizer state (AdamW moments + parameter names): the next round of this alias
                                  continues from it when it trains from this version
 
-Version numbers come from the store (``adapter_versions``, ``gateway/loop/versions.py``): it
+Version numbers come from the store (``adapter_versions``, ``gateway/storeproc/versions.py``): it
 hands each number out once, also after a failed round, so an engine name ``alias@N`` always
 means one adapter (which avoids vLLM's stale-prefix-cache bugs on same-name reloads). A round
 writes into a hidden sibling ``.N.partial-*`` and renames it over ``<N>/`` at the end, so

@@ -5,7 +5,7 @@ Where a command's data comes from (DuckDB lets one process open the file):
 - ``--gateway URL``: the running gateway's admin API, nothing else.
 - ``--database``: that store file, opened directly (no gateway may hold it).
 - otherwise the gateway of the data directory (``--data-dir``, else the configuration's): the
-  one it announced in ``gateway.json`` (``gateway/discovery.py``), or the configuration's host and
+  one it announced in ``gateway.json`` (``gateway/core/discovery.py``), or the configuration's host and
   port, when it answers ``/healthz``; when none answers, the data directory's store file.
 
 The admin key is ``--admin-key``, else ``FLYWHEEL_ADMIN_KEY``, else the configuration's.
@@ -22,8 +22,8 @@ import httpx
 import typer
 from pydantic import ValidationError
 
-from gateway.config import Settings, load_settings
-from gateway.discovery import announced_url, local_url
+from gateway.core.config import Settings, load_settings
+from gateway.core.discovery import announced_url, local_url
 
 if TYPE_CHECKING:
     from capture.store import Store

@@ -47,7 +47,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from gateway.cli.common import fail
-from gateway.process import NotAnswering, free_port, wait_until_answering
+from gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
@@ -320,7 +320,7 @@ def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, A
     the difference, its 95% interval, the one-sided p-value of "no better"), and the loop's own
     anytime-valid sequential test on the same episodes paired in order (more conservative).
     """
-    from gateway.loop.abtest import SequentialTest
+    from gateway.serving.loop.abtest import SequentialTest
 
     ours = [r["reward"] for r in rewards if r["version"] == serving]
     theirs = [r["reward"] for r in rewards if r["version"] == 0]

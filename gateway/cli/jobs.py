@@ -32,7 +32,7 @@ from gateway.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from gateway.loop.rounds import RoundOutcome
+    from gateway.training.rounds import RoundOutcome
 
 
 def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
@@ -41,7 +41,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
 
     Example: flywheel groups
     """
-    from gateway.loop.store_ops import run_group_formation
+    from gateway.storeproc.store_ops import run_group_formation
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
@@ -130,7 +130,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
 
     Example: flywheel train --alias my-agent --max-groups 32 --promote
     """
-    from gateway.loop.rounds import AdminApi, RoundError, StoreFile, Where, run_round
+    from gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings

@@ -18,9 +18,9 @@ import typer
 
 from gateway.cli import autorl, demo, export_adapter, jobs, loop, worker
 from gateway.cli.common import ConfigOption, fail, settings_or_exit
+from gateway.cli.preflight import PreflightError, preflight
 from gateway.cli.trajectories import trajectories_app
-from gateway.log_setup import configure_logging
-from gateway.preflight import PreflightError, preflight
+from gateway.core.log_setup import configure_logging
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -54,7 +54,7 @@ def serve(config: ConfigOption = None,
     """
     import uvicorn
 
-    from gateway.app import build_app
+    from gateway.serving.app import build_app
 
     settings = settings_or_exit(config, host=host, port=port, data_dir=data_dir)
     try:

@@ -5,7 +5,7 @@
 It asks the gateway's admin API for a round of each alias it serves; the gateway hands one out
 only when its loop would train and no version of that alias is in flight, so several workers never
 take the same work (a second reservation is refused). The worker downloads the version it continues
-from, trains (``gateway/loop/rounds.py: run_round``, the code ``flywheel train`` runs), uploads the
+from, trains (``gateway/training/rounds.py: run_round``, the code ``flywheel train`` runs), uploads the
 new version and reports the round; the loop's gate takes it from there. With ``--shared`` it reads
 and writes the gateway's adapter directory in place instead (a volume both machines mount).
 SIGTERM or Ctrl-C lets a round in progress finish, then stops.
@@ -60,7 +60,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
 
     Example: flywheel trainer --gateway http://gateway:8000 --admin-key $FLYWHEEL_ADMIN_KEY
     """
-    from gateway.loop.rounds import AdminApi, RoundError, run_round
+    from gateway.training.rounds import AdminApi, RoundError, run_round
 
     location = locate(Target(config, gateway, admin_key, None, None))
     if location.url is None:

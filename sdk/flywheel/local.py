@@ -86,7 +86,7 @@ class LocalBackend(Gateway):
                  vllm_base_url: str | None = None, vllm_api_key: str | None = None, extra_config: str = "",
                  startup_timeout_s: float = 600.0) -> None:
         check_installed()  # before the port: a free one comes from the gateway package
-        from gateway.process import free_port
+        from gateway.core.processes import free_port
 
         self.path = Path(path or ".flywheel").resolve()
         self.port = port or free_port()
@@ -164,7 +164,7 @@ class LocalBackend(Gateway):
         """(Re)start the gateway with the current configuration and wait until it answers."""
         if self.closed:
             raise GatewayStartError(f"{self!r} is closed")
-        from gateway.process import NotAnswering, wait_until_answering
+        from gateway.core.processes import NotAnswering, wait_until_answering
 
         _stop(self._process)
         self.path.mkdir(parents=True, exist_ok=True)

@@ -1,1 +1,0 @@
-"""The HTTP routes: the OpenAI API, Stored Completions, trajectories, feedback, training, admin."""

@@ -1,1 +1,0 @@
-"""The loop: training rounds, the scheduler, the promotion gate and its A/B test."""

@@ -1,0 +1,37 @@
+"""The gateway process's state, built once in its lifespan: everything a route needs.
+
+Two processes serve one gateway (docs/gateway.md, "Two processes"): the gateway process
+(:class:`GatewayState`: engines, routing, the request path) and the store process
+(:class:`gateway.storeproc.store_state.StoreState`: the DuckDB file, the recorder, the store-backed routes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from gateway.core.auth import Authenticator
+from gateway.core.config import Settings
+from gateway.core.metrics import GatewayMetrics
+from gateway.serving.engines.base import Engine
+from gateway.serving.routing import ModelRouter
+from gateway.serving.store_link import StoreLink
+
+
+@dataclass
+class GatewayState:
+    """Settings, engines, router, auth, metrics and the link to the store process."""
+
+    settings: Settings
+    engines: dict[str, Engine]
+    router: ModelRouter
+    auth: Authenticator
+    store_link: StoreLink
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    started_at: int = 0
+
+    @staticmethod
+    def of(request: Request) -> GatewayState:
+        state: GatewayState = request.app.state.gateway
+        return state

@@ -1,0 +1,116 @@
+"""The offline promotion gate: the candidate and the serving version answer the same held-out contexts.
+
+M recent contexts that were never trained on (the first request of conversations kept out of
+every group: ``[loop.gate] holdout_fraction``) are answered by both versions through the engine
+(capture off: the gateway calls the engine directly). Each pair is scored by the configured
+reward hook — a Python entry point ``module:function`` or an HTTP endpoint, called with the
+context and one answer, returning a number (the way a task with a checkable outcome plugs in) —
+or, without a hook, by RULER comparing the two answers. The candidate wins a context when its
+score is higher, ties count half; it passes when its win rate reaches ``win_rate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import statistics
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from gateway.core.config import GateConfig, JudgeConfig
+from gateway.serving.served_model import ServedModel
+
+log = logging.getLogger("flywheel.gate")
+
+Scorer = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any], dict[str, Any]],
+                  Awaitable[tuple[float, float]]]
+
+
+class GateError(RuntimeError):
+    """The gate could not score (the hook or the judge failed): the candidate keeps waiting."""
+
+
+def hook_scorer(target: str, timeout_s: float = 60.0) -> Scorer:
+    """Both answers scored independently by the reward hook (``module:function`` or an http(s) URL)."""
+    if target.startswith(("http://", "https://")):
+        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       answer: dict[str, Any]) -> float:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                response = await client.post(target, json={"messages": messages, "tools": tools, "answer": answer})
+            if response.status_code != 200:
+                raise GateError(f"reward hook {target} answered {response.status_code}")
+            return float(response.json()["reward"])
+    else:
+        module_name, _, attribute = target.partition(":")
+        if not attribute:
+            raise GateError(f"reward hook {target!r}: expected module:function or an http(s) URL")
+        function = getattr(importlib.import_module(module_name), attribute)
+
+        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       answer: dict[str, Any]) -> float:
+            if inspect.iscoroutinefunction(function):
+                return float(await function(messages, tools, answer))
+            return float(await asyncio.to_thread(function, messages, tools, answer))
+
+    async def score(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, candidate: dict[str, Any],
+                    baseline: dict[str, Any]) -> tuple[float, float]:
+        return await call(messages, tools, candidate), await call(messages, tools, baseline)
+
+    return score
+
+
+def ruler_scorer(judge: JudgeConfig) -> Scorer:
+    """The two answers judged against each other by RULER (the ``[judge]`` model)."""
+    async def score(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, candidate: dict[str, Any],
+                    baseline: dict[str, Any]) -> tuple[float, float]:
+        from capture.trajectory import Trajectory, TrajectoryGroup
+        from judge.rubric import resolve_rubric
+        from judge.ruler import ruler_score_group
+
+        group = TrajectoryGroup(trajectories=[
+            Trajectory(messages_and_choices=[*messages, candidate], tools=tools),
+            Trajectory(messages_and_choices=[*messages, baseline], tools=tools)])
+        scored = await ruler_score_group(group, judge.model, rubric=resolve_rubric(judge.rubrics, None, None),
+                                         swallow_exceptions=True, **judge.call_kwargs())
+        if scored is None:
+            raise GateError(f"the judge {judge.model} could not score the pair")
+        a, b = (float(t.metrics["ruler_score"]) for t in scored.trajectories)
+        return a, b
+
+    return score
+
+
+async def answer(model: ServedModel, context: dict[str, Any], config: GateConfig) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model.engine_model, "messages": context["messages"],
+                            "max_tokens": config.max_tokens, "temperature": config.temperature}
+    if context.get("tools"):
+        body["tools"] = context["tools"]
+    result = await model.engine.chat(body)
+    message: dict[str, Any] = result["choices"][0]["message"]
+    return message
+
+
+async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[dict[str, Any]],
+                       config: GateConfig, scorer: Scorer, concurrency: int = 4) -> dict[str, Any]:
+    """Answer every context with both versions, score each pair, and decide."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(context: dict[str, Any]) -> tuple[float, float]:
+        async with semaphore:
+            ours, theirs = await asyncio.gather(answer(candidate, context, config), answer(baseline, context, config))
+            return await scorer(context["messages"], context.get("tools"), ours, theirs)
+
+    scores = await asyncio.gather(*(one(c) for c in contexts))
+    wins = sum(1 for a, b in scores if a > b)
+    ties = sum(1 for a, b in scores if a == b)
+    win_rate = (wins + ties / 2) / len(scores)
+    return {"contexts": len(scores), "wins": wins, "ties": ties, "losses": len(scores) - wins - ties,
+            "win_rate": win_rate, "threshold": config.win_rate, "passed": win_rate >= config.win_rate,
+            "candidate_mean": statistics.fmean(a for a, _ in scores),
+            "baseline_mean": statistics.fmean(b for _, b in scores),
+            "candidate_version": candidate.version, "baseline_version": baseline.version,
+            "scorer": config.reward_hook or "ruler"}

@@ -1,0 +1,402 @@
+"""The loop: APScheduler jobs in the gateway process that turn captured traffic into served adapters.
+
+Jobs, each on its own interval, each at most one run at a time, each run recorded in
+``job_runs`` (start, end, outcome, counts, error)::
+
+    close_idle   (all aliases)  open trajectories with no new turn for capture.idle_close_s are closed
+    form_groups  (all aliases)  closed trajectories become groups (explicit, same task, forks, cohorts)
+    score        (per alias)    closed groups get rewards: feedback, and RULER where feedback is missing
+    train        (per alias)    enough scored groups -> one round in a child process -> a candidate version
+    gate         (per alias)    candidate -> offline gate -> canary (or promoted, or rejected)
+    ab           (per alias)    canary: sequential test -> promote / reject; after a promotion: the monitor
+                                compares with the predecessor's recorded rewards and rolls back on a drop
+
+State lives in the store (versions and their gate results, groups, job runs), never only in
+memory: after a restart the jobs pick up where the store says things are. With several replicas
+on one PostgreSQL store the jobs run on one of them, the leader (``gateway/serving/loop/leader.py``);
+every replica follows the store: each ``replicas.follow_s`` it serves the version the store says
+serves each alias, and its canary, through the same hot swap. A job that raises is
+logged, recorded ``failed`` and tried again at its next tick; it never stops the others, and
+nothing here is on a client request's path. ``close_idle`` and ``form_groups`` always run
+(capture's housekeeping); the others only with ``[loop] enabled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from gateway.core.config import LoopConfig
+from gateway.serving.canary import CanarySplit
+from gateway.serving.gateway_state import GatewayState
+from gateway.serving.loop import gate as offline
+from gateway.serving.loop.abtest import SequentialTest
+from gateway.serving.loop.leader import Leadership, shared_store
+from gateway.serving.loop.promotion import promote_version
+from gateway.serving.loop.training_child import TrainingChild
+from gateway.serving.observability.loop_jobs import Observability
+
+log = logging.getLogger("flywheel.loop")
+# A tick that finds its job still running is skipped by design (max_instances=1); APScheduler would log
+# each skip as a warning, once a second while a round trains.
+logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
+
+ALIAS_JOBS = ("score", "train", "gate", "ab")
+GLOBAL_JOBS = ("close_idle", "form_groups")
+
+
+@dataclass
+class Outcome:
+    """What a run did: ``ok`` (it acted), ``idle`` (nothing to do), ``waiting`` (not yet), ``failed``."""
+
+    status: str
+    detail: str = ""
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def training_due(pending: dict[str, Any], loop: LoopConfig, started_at: float) -> bool:
+    """The loop's rule for a round (the store's ``pending`` of an alias): ``min_groups`` scored groups wait, or
+    one does and the last round (with none yet: ``started_at``, when this loop started) is ``train_every_s`` old."""
+    scored, last = pending["scored_groups"], pending["last_trained_at"]
+    since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else started_at)
+    return scored >= loop.min_groups or bool(scored and since_last >= loop.train_every_s)
+
+
+class Loop:
+    """Schedules the jobs and runs each one with its record in ``job_runs``."""
+
+    def __init__(self, state: GatewayState, gateway_url: str, observability: Observability | None = None) -> None:
+        self.state = state
+        self.observability = observability or Observability()  # a span per run, the tracker's cue
+        self.settings = state.settings
+        self.child = TrainingChild(state.settings, gateway_url)
+        self.scheduler = AsyncIOScheduler()
+        self.stopping = False
+        self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)
+        self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
+        self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
+            "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
+            "train": self.train, "gate": self.gate, "ab": self.ab}
+        replicas = state.settings.replicas
+        self.leadership = Leadership.for_database(state.settings.database, replicas.campaign_s, self._lead)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.follow()  # a canary that ran when the gateway stopped (or runs on another replica) goes on
+        if shared_store(self.settings.database):
+            self.scheduler.add_job(self.follow, "interval", seconds=self.settings.replicas.follow_s, id="follow",
+                                   max_instances=1, coalesce=True, misfire_grace_time=None)
+        self.scheduler.start()
+        await self.leadership.start()
+
+    async def _lead(self, leading: bool) -> None:
+        """Schedule the jobs when this replica becomes the leader; remove them (and stop its rounds) when it stops."""
+        if not leading:
+            for job in self.scheduler.get_jobs():
+                if job.id != "follow":
+                    job.remove()
+            await self.child.stop_all()  # the new leader records them failed
+            return
+        self.started_at = time.time()
+        try:
+            # Trainer workers' rounds are not this replica's children: their versions time out instead (train job).
+            recovered = await self.state.store_link.op("recover", rounds=not self.settings.train.workers)
+            if any(recovered.values()):
+                log.warning("loop: after the last leader stopped, %s", recovered)
+        except Exception as exc:  # the store process is (re)starting: what is stale is found at the next start
+            log.warning("loop: could not recover what the last leader left (%s)", exc)
+        loop = self.settings.loop
+        idle_s = self.settings.capture.idle_close_s
+        intervals: dict[str, float] = {"close_idle": max(1.0, min(60.0, idle_s / 4)),
+                                       "form_groups": self.settings.groups.form_every_s,
+                                       "score": loop.score_every_s, "train": loop.tick_s, "gate": loop.tick_s,
+                                       "ab": loop.tick_s}
+        for job in GLOBAL_JOBS:
+            self._schedule(job, None, intervals[job])
+        if loop.enabled:
+            for alias in self.settings.aliases:
+                for job in ALIAS_JOBS:
+                    self._schedule(job, alias, intervals[job])
+
+    @staticmethod
+    def of(request: Any) -> Loop:
+        loop: Loop = request.app.state.loop
+        return loop
+
+    def lock(self, job: str, alias: str | None) -> asyncio.Lock:
+        """One run of a job (per alias) at a time, whether the scheduler or a person started it."""
+        return self._locks.setdefault((job, alias), asyncio.Lock())
+
+    def _schedule(self, job: str, alias: str | None, seconds: float) -> None:
+        self.scheduler.add_job(self.run, "interval", args=[job, alias], seconds=seconds, id=f"{job}:{alias or '*'}",
+                               max_instances=1, coalesce=True, misfire_grace_time=None,
+                               next_run_time=datetime.now(UTC))  # first run at start, not one interval later
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await self.leadership.stop()  # removes the jobs, stops the rounds: they are recorded failed at the next start
+        self.scheduler.shutdown(wait=False)
+
+    async def follow(self) -> None:
+        """Serve what the store says serves each alias, and its canary; never raises.
+
+        Every replica does it every ``replicas.follow_s`` (a switch made on another replica reaches this one
+        within that, plus the engine's load); at start it restores a canary that was running. A change this
+        process made while the store was read is left to the next look, which reads the store again.
+        """
+        router = self.state.router
+        generation = router.generation
+        try:
+            rows = await self.state.store_link.op("serving")
+        except Exception as exc:  # the store process is restarting: the next look follows
+            log.warning("loop: could not read the serving versions (%s)", exc)
+            return
+        for alias in self.settings.aliases:
+            if router.generation != generation:
+                return
+            try:
+                await self._follow(alias, rows.get(alias) or {})
+            except Exception:
+                log.exception("loop: %s could not follow the store; trying again at the next look", alias)
+
+    async def _follow(self, alias: str, rows: dict[str, Any]) -> None:
+        router = self.state.router
+        current = rows.get("serving")
+        version = current["version"] if current else 0
+        if router.get(alias).version != version:
+            await router.switch(alias, version, current["path"] if current else None)
+            log.info("loop: %s follows the store: version %d serves", alias, version)
+        flight, split = rows.get("in_flight"), router.canaries.get(alias)
+        if split is None and flight is not None and flight["status"] == "canary":
+            started = ((flight.get("gate") or {}).get("online") or {}).get("started_at") or _now()
+            await self._start_canary(alias, flight, started)
+        elif split is not None and (flight is None or flight["version"] != split.served.version):
+            await router.stop_canary(alias)  # decided elsewhere (promoted, rejected)
+
+    # -- running one job ------------------------------------------------------------------------------------
+
+    async def run(self, job: str, alias: str | None) -> dict[str, Any]:
+        """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises.
+
+        Only the leader runs jobs: on a follower this answers ``follower`` and does nothing."""
+        if not self.leadership.leading:
+            return {"job": job, "alias": alias, "status": "follower",
+                    "detail": "another replica runs the loop's jobs (the leader); this one follows the store"}
+        return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
+
+    async def _run(self, job: str, alias: str | None) -> dict[str, Any]:
+        lock = self.lock(job, alias)
+        if lock.locked():
+            return {"job": job, "alias": alias, "status": "busy", "detail": "a run of this job is in progress"}
+        async with lock:
+            started = time.monotonic()
+            try:
+                run_id = await self.state.store_link.op("job_started", job=job, alias=alias)
+            except Exception as exc:  # the store process is restarting: try again at the next tick
+                log.warning("loop: %s could not start (%s)", job, exc)
+                return {"job": job, "alias": alias, "status": "failed", "error": str(exc)}
+            error = None
+            try:
+                outcome = await self.jobs[job](alias)
+            except Exception as exc:
+                log.exception("loop: %s for %s failed; it runs again at its next tick", job, alias or "all aliases")
+                outcome, error = Outcome("failed", f"{type(exc).__name__}: {exc}"), f"{type(exc).__name__}: {exc}"
+            try:
+                await self.state.store_link.op("job_finished", run_id=run_id, status=outcome.status,
+                                               counts=outcome.counts, detail=outcome.detail, error=error)
+            except Exception as exc:
+                log.warning("loop: could not record the end of %s (%s)", job, exc)
+            if outcome.status not in ("idle", "waiting"):
+                log.info("loop: %s %s: %s %s (%.1f s)", job, alias or "*", outcome.status, outcome.detail,
+                         time.monotonic() - started)
+            return {"job": job, "alias": alias, "status": outcome.status, "detail": outcome.detail,
+                    "counts": outcome.counts, "error": error}
+
+    # -- the jobs -------------------------------------------------------------------------------------------
+
+    async def close_idle(self, alias: str | None) -> Outcome:
+        counts = await self.state.store_link.op("close_idle")
+        return Outcome("ok" if counts["closed"] else "idle", f"closed {counts['closed']}", counts)
+
+    async def form_groups(self, alias: str | None) -> Outcome:
+        formed = (await self.state.store_link.op("form_groups"))["formed"]
+        by_alias: dict[str, int] = {}
+        for group in formed:
+            by_alias[group["alias"]] = by_alias.get(group["alias"], 0) + 1
+        return Outcome("ok" if formed else "idle", f"formed {len(formed)} groups", {"formed": by_alias})
+
+    async def score(self, alias: str | None) -> Outcome:
+        summary = await self.state.store_link.op("score", alias=alias)
+        if not summary["groups"]:
+            return Outcome("idle", "no closed groups", summary)
+        return Outcome("ok", f"scored {summary['scored']}/{summary['groups']} groups, {summary['failed']} failed",
+                       {k: v for k, v in summary.items() if k != "failed_group_ids"})
+
+    async def train(self, alias: str | None) -> Outcome:
+        assert alias is not None
+        link, loop = self.state.store_link, self.settings.loop
+        flight = (await link.op("serving"))[alias]["in_flight"]
+        if flight is not None:
+            if self.settings.train.workers and flight["status"] == "training" and \
+                    time.time() - datetime.fromisoformat(flight["created_at"]).timestamp() > loop.train_timeout_s:
+                await link.op("record_failed_round", alias=alias, version=flight["version"],
+                              error=f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
+                return Outcome("failed", f"version {flight['version']}: no report from its trainer worker")
+            return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
+        pending = await link.op("pending", alias=alias)
+        scored = pending["scored_groups"]
+        if not training_due(pending, loop, self.started_at):
+            return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
+        if self.settings.train.workers:
+            return Outcome("waiting", f"{scored} scored groups wait for a trainer worker", {"scored_groups": scored})
+        result = await self.child.run(alias)
+        if self.stopping:  # stopped with the gateway: the next start records the round as failed
+            return Outcome("failed", "stopped with the gateway")
+        if result.returncode != 0:
+            flight = (await link.op("serving"))[alias]["in_flight"]
+            if flight is not None and flight["status"] == "training":  # the child died before it could say so
+                reason = "timed out" if result.timed_out else f"exited with {result.returncode}"
+                await link.op("record_failed_round", alias=alias, version=flight["version"],
+                              error=f"the training process {reason}; log {result.log_path}:\n{result.tail}")
+            return Outcome("failed", f"training process exited with {result.returncode} (log {result.log_path})",
+                           {"scored_groups": scored})
+        summary = result.summary or {}
+        if summary.get("status") != "finished":
+            return Outcome("ok", f"nothing trainable in the batch ({summary.get('status')})", {"scored_groups": scored})
+        return Outcome("ok", f"version {summary['version']} trained: a candidate",
+                       {"scored_groups": scored, "version": summary["version"]})
+
+    async def gate(self, alias: str | None) -> Outcome:
+        assert alias is not None
+        link, config = self.state.store_link, self.settings.loop
+        flight = (await link.op("serving"))[alias]["in_flight"]
+        if flight is None or flight["status"] != "candidate":
+            return Outcome("idle", "no candidate")
+        version, results = flight["version"], flight.get("gate") or {}
+        if config.gate.offline and "offline" not in results:
+            checked = await self._offline_gate(alias, flight)
+            if checked is None:
+                return Outcome("waiting", "not enough held-out contexts yet", {"version": version})
+            if not checked["passed"]:
+                await self._unload(alias, flight)
+                await link.op("decide", alias=alias, version=version, status="rejected",
+                              reason=f"offline gate: win rate {checked['win_rate']:.2f} < {checked['threshold']:.2f}",
+                              gate={"offline": checked})
+                return Outcome("ok", f"version {version} rejected by the offline gate", {"version": version})
+            await link.op("record_gate", alias=alias, version=version, gate={"offline": checked})
+        if config.canary.enabled:
+            started = _now()
+            await self._start_canary(alias, flight, started)
+            await link.op("decide", alias=alias, version=version, status="canary", reason="on canary",
+                          gate={"online": {"started_at": started, "fraction": config.canary.fraction}})
+            return Outcome("ok", f"version {version} on canary ({config.canary.fraction:.0%} of conversations)",
+                           {"version": version})
+        await promote_version(self.state, alias, version, reason="passed the offline gate")
+        return Outcome("ok", f"version {version} promoted", {"version": version})
+
+    async def ab(self, alias: str | None) -> Outcome:
+        assert alias is not None
+        if alias in self.state.router.canaries:
+            return await self._judge_canary(alias)
+        if self.settings.loop.monitor.enabled:
+            return await self._monitor(alias)
+        return Outcome("idle", "no canary, no monitor")
+
+    # -- gate, canary, monitor --------------------------------------------------------------------------------
+
+    async def _offline_gate(self, alias: str, flight: dict[str, Any]) -> dict[str, Any] | None:
+        config = self.settings.loop.gate
+        contexts = await self.state.store_link.op("heldout_contexts", alias=alias, count=config.contexts)
+        if len(contexts) < config.min_contexts:
+            return None
+        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+        await self.state.router.load(candidate)
+        scorer = (offline.hook_scorer(config.reward_hook) if config.reward_hook
+                  else offline.ruler_scorer(self.settings.judge))
+        return await offline.offline_gate(candidate, self.state.router.get(alias), contexts, config, scorer)
+
+    async def _unload(self, alias: str, flight: dict[str, Any]) -> None:
+        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+        if candidate.adapter in await candidate.engine.adapters():
+            await candidate.engine.unload_adapter(candidate.adapter)
+
+    async def _start_canary(self, alias: str, flight: dict[str, Any], started_at: str) -> None:
+        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+        await self.state.router.start_canary(CanarySplit(served=candidate, fraction=self.settings.loop.canary.fraction,
+                                                         started_at=started_at))
+
+    async def _judge_canary(self, alias: str) -> Outcome:
+        link, config = self.state.store_link, self.settings.loop.canary
+        split = self.state.router.canaries[alias]
+        baseline, candidate = self.state.router.get(alias).version, split.served.version
+        rows = (await link.op("rewards", alias=alias, since=split.started_at,
+                              versions_in=[baseline, candidate]))["rewards"]
+        ours = [r["reward"] for r in rows if r["version"] == candidate]
+        theirs = [r["reward"] for r in rows if r["version"] == baseline]
+        test = SequentialTest(alpha=config.alpha, margin=config.margin, max_pairs=config.max_pairs,
+                              low=config.reward_min, high=config.reward_max)
+        decision = test.add_all(ours, theirs)
+        online = {**test.summary(), "started_at": split.started_at, "fraction": split.fraction,
+                  "n_candidate": len(ours), "n_baseline": len(theirs), "baseline_version": baseline,
+                  "mean_candidate": sum(ours) / len(ours) if ours else None,
+                  "mean_baseline": sum(theirs) / len(theirs) if theirs else None}
+        counts = {"pairs": test.pairs, "candidate": len(ours), "baseline": len(theirs)}
+        if decision == "continue":
+            await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
+            return Outcome("waiting", f"canary: {test.pairs} pairs, p(better)={test.better.p_value:.3f}", counts)
+        if decision == "better" or (decision == "max_pairs" and config.on_max == "promote"):
+            shown = (f"better than version {baseline} (p={test.better.p_value:.4f}" if decision == "better" else
+                     f"not shown worse than version {baseline} by max_pairs (on_max = promote; "
+                     f"p(worse)={test.worse.p_value:.4f}")
+            await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
+            await promote_version(self.state, alias, candidate, reason=f"canary: {shown}, {test.pairs} pairs)")
+            return Outcome("ok", f"version {candidate} promoted by the canary", counts)
+        shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
+                 f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
+        # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
+        await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
+                      reason=f"canary: {shown}, {test.pairs} pairs)")
+        await self.state.router.stop_canary(alias)
+        return Outcome("ok", f"version {candidate} rejected by the canary", counts)
+
+    async def _monitor(self, alias: str) -> Outcome:
+        """After a promotion: the new version's live rewards against its predecessor's recorded ones."""
+        link, config = self.state.store_link, self.settings.loop.monitor
+        current = (await link.op("serving"))[alias]["serving"]
+        if current is None or current.get("previous_version") is None or not current.get("promoted_at"):
+            return Outcome("idle", "nothing promoted to watch")
+        watched = (current.get("gate") or {}).get("monitor") or {}
+        if watched.get("finished"):
+            return Outcome("idle", f"version {current['version']} passed its monitor")
+        previous, version = current["previous_version"], current["version"]
+        ours = [r["reward"] for r in (await link.op("rewards", alias=alias, since=current["promoted_at"],
+                                                    versions_in=[version]))["rewards"]]
+        theirs = [r["reward"] for r in (await link.op("rewards", alias=alias, until=current["promoted_at"],
+                                                      versions_in=[previous]))["rewards"]][-config.baseline:]
+        canary = self.settings.loop.canary
+        test = SequentialTest(alpha=config.alpha, margin=config.margin, max_pairs=config.max_pairs,
+                              low=canary.reward_min, high=canary.reward_max)
+        decision = test.add_all(ours, theirs)
+        summary = {**test.summary(), "baseline_version": previous, "n_new": len(ours), "n_baseline": len(theirs)}
+        if decision == "worse":
+            await link.op("record_gate", alias=alias, version=version, gate={"monitor": {**summary, "finished": True}})
+            await promote_version(self.state, alias, previous, replaced_status="rolled_back",
+                                  reason=f"monitor: version {version} dropped below version {previous} "
+                                         f"(p={test.worse.p_value:.4f}, {test.pairs} pairs)")
+            return Outcome("ok", f"version {version} rolled back to {previous}", {"pairs": test.pairs})
+        finished = decision in ("better", "max_pairs")  # shown no worse for long enough: stop watching
+        await link.op("record_gate", alias=alias, version=version, gate={"monitor": {**summary, "finished": finished}})
+        return Outcome("waiting", f"monitor: {test.pairs} pairs, p(worse)={test.worse.p_value:.3f}",
+                       {"pairs": test.pairs})

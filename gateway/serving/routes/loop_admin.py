@@ -1,0 +1,230 @@
+"""The loop's admin API: status, versions, promote, rollback, a round now, a job now.
+
+    GET  /flywheel/v1/status                              per alias: serving version, canary and its A/B
+                                                          numbers, pending work, last run of each job,
+                                                          reward per version
+    GET  /flywheel/v1/aliases/{alias}/versions            every version with training metrics and gate results
+    GET  /flywheel/v1/aliases/{alias}/rewards?since=T     every rewarded conversation: version, reward, time
+    POST /flywheel/v1/aliases/{alias}/promote  {"version": N}
+    POST /flywheel/v1/aliases/{alias}/rollback {"version": N | null}   null: the version served before
+    POST /flywheel/v1/aliases/{alias}/train    {"promote", "group_ids", "args"}   one round now (child process)
+    POST /flywheel/v1/aliases/{alias}/candidates {"path"}             an adapter trained elsewhere, for the gate
+    POST /flywheel/v1/loop/run                 {"job", "alias"}       one loop job now
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+from starlette.responses import Response
+
+from gateway.core.config import AdapterVersion
+from gateway.core.errors import BadRequest, OpenAIError
+from gateway.core.http import json_response, read_body
+from gateway.core.openapi import ERRORS, json_body, query
+from gateway.core.protocol import parse_json_object, validate_request
+from gateway.serving.gateway_state import GatewayState
+from gateway.serving.loop.promotion import promote_version, register_adapter
+from gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
+from gateway.serving.routes.admin import adapter_directory, alias_info
+from gateway.serving.served_model import ServedModel
+
+router = APIRouter(prefix="/flywheel/v1")
+
+
+class Conflict(OpenAIError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=409, error_type="invalid_request_error", code="conflict")
+
+
+async def _admin(request: Request) -> GatewayState:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    return state
+
+
+async def _body(request: Request, model: type[BaseModel], state: GatewayState) -> dict[str, Any]:
+    raw = await read_body(request, state.settings.max_body_bytes)
+    body = parse_json_object(raw) if raw.strip() else {}
+    validate_request(model, body)
+    return body
+
+
+@router.get("/status", responses=ERRORS)
+async def status(request: Request) -> Response:
+    state = await _admin(request)
+    return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases],
+                          "replica": {"role": Loop.of(request).leadership.role}})
+
+
+async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
+    link = state.store_link
+    served = state.router.get(alias)
+    rows = (await link.op("serving"))[alias]
+    canary = state.router.canaries.get(alias)
+    flight = rows["in_flight"]
+    last_runs = await link.op("last_runs", alias=alias, jobs=[*GLOBAL_JOBS, *ALIAS_JOBS])
+    return {
+        "alias": alias,
+        "serving": {**alias_info(served), "row": rows["serving"]},
+        "candidate": flight,
+        "canary": {"version": canary.served.version, "fraction": canary.fraction, "started_at": canary.started_at,
+                   "ab": ((flight or {}).get("gate") or {}).get("online")} if canary else None,
+        "monitor": ((rows["serving"] or {}).get("gate") or {}).get("monitor"),
+        "pending": await link.op("pending", alias=alias),
+        "jobs": last_runs,
+        "reward_by_version": await link.op("reward_by_version", alias=alias),
+        "loop": {"enabled": state.settings.loop.enabled, "workers": state.settings.train.workers,
+                 "gate": state.settings.loop.gate.offline,
+                 "canary": state.settings.loop.canary.enabled, "monitor": state.settings.loop.monitor.enabled},
+    }
+
+
+@router.get("/aliases/{alias}/versions", responses=ERRORS)
+async def list_versions(alias: str, request: Request) -> Response:
+    state = await _admin(request)
+    state.router.get(alias)
+    return json_response({"alias": alias, "serving": state.router.get(alias).version,
+                          "data": await state.store_link.op("versions", alias=alias)})
+
+
+class RewardsQuery(BaseModel):
+    since: datetime | None = Field(default=None, description="an ISO 8601 time: conversations closed after it")
+
+
+@router.get("/aliases/{alias}/rewards", openapi_extra=query(RewardsQuery), responses=ERRORS)
+async def list_rewards(alias: str, request: Request) -> Response:
+    """Every finished, rewarded conversation of the alias in the order it closed: version, reward, time."""
+    state = await _admin(request)
+    state.router.get(alias)
+    since = request.query_params.get("since")
+    if since is not None:
+        try:
+            datetime.fromisoformat(since)
+        except ValueError:
+            raise BadRequest("Invalid value for 'since': an ISO 8601 time", param="since") from None
+    return json_response(await state.store_link.op("rewards", alias=alias, since=since))
+
+
+class PromoteRequest(BaseModel):
+    version: AdapterVersion
+
+
+@router.post("/aliases/{alias}/promote", openapi_extra=json_body(PromoteRequest), responses=ERRORS)
+async def promote(alias: str, request: Request) -> Response:
+    """Serve a stored version now (by hand: no gate). A canary running for the alias is stopped first."""
+    state = await _admin(request)
+    body = await _body(request, PromoteRequest, state)
+    state.router.get(alias)
+    return json_response(alias_info(await promote_by_hand(state, alias, body["version"])))
+
+
+async def promote_by_hand(state: GatewayState, alias: str, version: int, reason: str = "promoted by hand"
+                          ) -> ServedModel:
+    """Serve ``version`` now, no gate (the admin API, the dashboard); a canary of another version is stopped."""
+    await _end_canary(state, alias, unless_version=version)
+    return await promote_version(state, alias, version, reason=reason)
+
+
+class RollbackRequest(BaseModel):
+    version: AdapterVersion | None = None
+
+
+@router.post("/aliases/{alias}/rollback", openapi_extra=json_body(RollbackRequest, required=False),
+             responses=ERRORS)
+async def rollback(alias: str, request: Request) -> Response:
+    """Return to an earlier version (default: the one served before the current one)."""
+    state = await _admin(request)
+    body = await _body(request, RollbackRequest, state)
+    state.router.get(alias)
+    return json_response(alias_info(await rollback_by_hand(state, alias, body.get("version"))))
+
+
+async def rollback_by_hand(state: GatewayState, alias: str, version: int | None = None,
+                           reason: str = "rolled back by hand") -> ServedModel:
+    """Back to ``version`` (None: the one served before the current one); the current one is ``rolled_back``."""
+    if version is None:
+        version = await state.store_link.op("rollback_target", alias=alias)
+    await _end_canary(state, alias)
+    return await promote_version(state, alias, version, replaced_status="rolled_back", reason=reason)
+
+
+async def _end_canary(state: GatewayState, alias: str, unless_version: int | None = None) -> None:
+    split = state.router.canaries.get(alias)
+    if split is not None and split.served.version != unless_version:
+        # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
+        await state.store_link.op("decide", alias=alias, version=split.served.version, status="rejected",
+                                  reason="canary stopped: another version was chosen by hand")
+        await state.router.stop_canary(alias)
+
+
+class CandidateRequest(BaseModel):
+    path: str  # a PEFT adapter directory trained elsewhere
+
+
+@router.post("/aliases/{alias}/candidates", openapi_extra=json_body(CandidateRequest), responses=ERRORS)
+async def add_candidate(alias: str, request: Request) -> Response:
+    """Register an adapter trained elsewhere as the next version, a candidate: the loop's gate decides on it."""
+    state = await _admin(request)
+    body = await _body(request, CandidateRequest, state)
+    state.router.get(alias)
+    path = adapter_directory(state, body["path"])
+    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
+    if flight is not None:
+        raise Conflict(f"{alias} already has version {flight['version']} in flight ({flight['status']})")
+    return json_response(await register_adapter(state, alias, path, source="manual"))
+
+
+class TrainRequest(BaseModel):
+    promote: bool = False  # serve the new version at once (ART's semantics); false: the loop's gate decides
+    group_ids: list[str] | None = None  # train on these scored groups only
+    args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs overrides for this round
+
+
+@router.post("/aliases/{alias}/train", openapi_extra=json_body(TrainRequest, required=False), responses=ERRORS)
+async def train_now(alias: str, request: Request) -> Response:
+    """Run one round now in a child process (the same path as the loop and ``flywheel train``); waits for it."""
+    state = await _admin(request)
+    body = TrainRequest.model_validate(await _body(request, TrainRequest, state))
+    state.router.get(alias)
+    loop = Loop.of(request)
+    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
+    if flight is not None and flight["status"] == "training":
+        raise Conflict(f"{alias} is already training version {flight['version']}")
+    overrides = [f"{key}={json.dumps(value)}" for key, value in body.args.items()]
+    async with loop.lock("train", alias):
+        result = await loop.child.run(alias, body.group_ids, overrides)
+    if result.returncode != 0:
+        raise BadRequest(f"the training round failed (log {result.log_path}): {result.tail[-1500:]}",
+                         param="args" if "--set" in result.tail else None, code="training_failed")
+    summary = result.summary or {}
+    finished = summary.get("status") == "finished"
+    if finished and body.promote:
+        await _end_canary(state, alias)
+        await promote_version(state, alias, summary["version"], reason="trained and promoted through the admin API")
+    return json_response({"status": "finished" if finished else "skipped", "version": summary.get("version"),
+                          "adapter_path": summary.get("adapter_path"), "metrics": summary.get("metrics") or {},
+                          "promoted": finished and body.promote})
+
+
+class JobRequest(BaseModel):
+    job: str
+    alias: str | None = None
+
+
+@router.post("/loop/run", openapi_extra=json_body(JobRequest), responses=ERRORS)
+async def run_job(request: Request) -> Response:
+    """Run one loop job now and answer with its outcome (the same run the scheduler would record)."""
+    state = await _admin(request)
+    body = JobRequest.model_validate(await _body(request, JobRequest, state))
+    if body.job not in (*ALIAS_JOBS, *GLOBAL_JOBS):
+        raise BadRequest(f"Invalid value for 'job': one of {', '.join((*GLOBAL_JOBS, *ALIAS_JOBS))}", param="job")
+    if body.job in ALIAS_JOBS:
+        if body.alias is None:
+            raise BadRequest(f"'{body.job}' runs for one alias: give 'alias'", param="alias")
+        state.router.get(body.alias)
+    return json_response(await Loop.of(request).run(body.job, body.alias if body.job in ALIAS_JOBS else None))

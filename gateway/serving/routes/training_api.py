@@ -1,0 +1,200 @@
+"""Admin API for a trainer in another process (``flywheel train``, the loop's training child, a worker).
+
+    GET  /flywheel/v1/training/batch?alias=A&max_groups=N[&group_ids=g1,g2]  scored groups, base weights,
+                                                                            the version serving now (with
+                                                                            ``[train] workers``: none unless
+                                                                            the loop's rule says a round is
+                                                                            due and no version is in flight)
+    POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
+    POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
+    POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
+    GET  /flywheel/v1/training/adapters/{alias}/{version}                   a version's files, as a tar
+    PUT  /flywheel/v1/training/adapters/{alias}/{version}  (tar body)       a reserved version's files, from a
+                                                                            worker with no shared filesystem
+
+The archive is ``trainer/adapters.py: pack``'s: the PEFT adapter, its round file and optimizer state,
+nothing else (``unpack`` refuses any other member). An uploaded version lands in the directory the
+gateway reserved for it; a round report never names where its files are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+from starlette.responses import FileResponse, Response
+
+from gateway.core.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
+from gateway.core.http import json_response, read_body
+from gateway.core.openapi import ERRORS, json_body, query
+from gateway.core.protocol import parse_json_object, validate_request
+from gateway.core.training_config import base_model_path, grpo_args
+from gateway.serving.gateway_state import GatewayState
+from gateway.serving.loop.promotion import promote_version
+from gateway.serving.routes.admin import alias_info
+
+router = APIRouter(prefix="/flywheel/v1/training")
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class BatchQuery(BaseModel):
+    alias: str
+    max_groups: int | None = Field(default=None, ge=1, description="default: train.max_groups")
+    group_ids: str | None = Field(default=None, description="comma-separated group ids: only these")
+
+
+async def _admin_body(request: Request, model: type[Body]) -> tuple[GatewayState, Body]:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    validate_request(model, body)
+    return state, model.model_validate(body)
+
+
+@router.get("/batch", openapi_extra=query(BatchQuery), responses=ERRORS)
+async def get_batch(request: Request) -> Response:
+    """Scored, untrained groups of an alias, with the base weights and the version it serves now."""
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    params = request.query_params
+    alias = params.get("alias") or ""
+    served = state.router.get(alias)
+    raw = params.get("max_groups") or str(state.settings.train.max_groups)
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
+    try:
+        base = base_model_path(state.settings, alias)
+    except ValueError as exc:
+        raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
+    args = asdict(grpo_args(state.settings, base))
+    group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
+    if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
+        groups: list[dict[str, object]] = []  # trainer workers ask often: a round only when the loop would train
+    else:
+        groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
+    current = {"version": served.version, "path": served.adapter_path} if served.adapter_path else None
+    return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
+
+
+async def _worker_round_due(request: Request, state: GatewayState, alias: str) -> bool:
+    """``[train] workers``: the loop's rule (``loop.min_groups``, ``loop.train_every_s``), one version in flight."""
+    from gateway.serving.loop.scheduler import Loop, training_due
+
+    if (await state.store_link.op("serving"))[alias]["in_flight"] is not None:
+        return False
+    pending = await state.store_link.op("pending", alias=alias)
+    return training_due(pending, state.settings.loop, Loop.of(request).started_at)
+
+
+class VersionRequest(BaseModel):
+    alias: str
+
+
+@router.post("/versions", openapi_extra=json_body(VersionRequest), responses=ERRORS)
+async def reserve_version(request: Request) -> Response:
+    """The next version number of an alias and the directory to write it into (status ``training``)."""
+    state, body = await _admin_body(request, VersionRequest)
+    served = state.router.get(body.alias)
+    row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
+                                    parent_version=served.version or None,
+                                    alone=state.settings.train.workers)  # workers: never two rounds at once
+    return json_response(row)
+
+
+class RoundReport(BaseModel):
+    alias: str
+    version: int = Field(ge=1)
+    parent_version: int | None = None
+    promote: bool = False
+    result: dict[str, object]
+    batch_group_ids: list[str] = Field(default_factory=list)  # every group the round was given
+
+
+@router.post("/rounds", openapi_extra=json_body(RoundReport), responses=ERRORS)
+async def post_round(request: Request) -> Response:
+    """Record a finished round (the version becomes a candidate); with ``promote``, serve it at once."""
+    state, report = await _admin_body(request, RoundReport)
+    served = state.router.get(report.alias)
+    adapter = await state.store_link.op("record_round", **report.model_dump(mode="json", exclude={"promote"}),
+                                        promote=False)  # the store would promote without the engine: see below
+    if report.promote and adapter is not None:
+        served = await promote_version(state, report.alias, report.version, reason="promoted by hand (--promote)")
+    return json_response({"adapter_version": adapter, "served": alias_info(served)})
+
+
+class FailureReport(BaseModel):
+    alias: str
+    version: int = Field(ge=1)
+    error: str = Field(max_length=100_000)
+    group_ids: list[str] = Field(default_factory=list)
+
+
+@router.post("/failures", openapi_extra=json_body(FailureReport), responses=ERRORS)
+async def post_failure(request: Request) -> Response:
+    """A round that raised: its run is recorded failed, its groups stay for the next round."""
+    state, report = await _admin_body(request, FailureReport)
+    state.router.get(report.alias)
+    return json_response(await state.store_link.op("record_failed_round", **report.model_dump(mode="json")))
+
+
+async def _version_row(request: Request, alias: str, version: int) -> tuple[GatewayState, dict[str, Any]]:
+    state = GatewayState.of(request)
+    state.auth.admin(request)
+    state.router.get(alias)
+    rows = await state.store_link.op("versions", alias=alias)
+    row = next((r for r in rows if r["version"] == version), None)
+    if row is None:
+        raise NotFound(f"{alias} has no version {version}.", param="version", code="version_not_found")
+    return state, row
+
+
+@router.get("/adapters/{alias}/{version}", responses=ERRORS)
+async def download_adapter(alias: str, version: int, request: Request) -> Response:
+    """A version's files as a tar: the adapter a worker on another machine continues from."""
+    from trainer import adapters
+
+    _, row = await _version_row(request, alias, version)
+    if not adapters.is_complete(row["path"]):
+        raise NotFound(f"{alias} version {version} has no adapter files ({row['status']}).", param="version",
+                       code="version_not_found")
+    fd, archive = tempfile.mkstemp(suffix=".tar")
+    with os.fdopen(fd, "wb") as out:
+        await asyncio.to_thread(adapters.pack, row["path"], out)
+    return FileResponse(archive, media_type="application/x-tar", filename=f"{alias}-{version}.tar",
+                        background=BackgroundTask(os.unlink, archive))
+
+
+@router.put("/adapters/{alias}/{version}", responses=ERRORS)
+async def upload_adapter(alias: str, version: int, request: Request) -> Response:
+    """A reserved version's files (``status`` ``training``), written once into the directory reserved for it."""
+    from trainer import adapters
+
+    state, row = await _version_row(request, alias, version)
+    if row["status"] != "training" or adapters.is_complete(row["path"]):
+        state_now = "uploaded already" if row["status"] == "training" else row["status"]
+        raise Conflict(f"{alias} version {version} is {state_now}: only a reserved version (training) takes an "
+                       "upload, once.", param="version", code="version_not_training")
+    limit = state.settings.train.max_upload_mb * 1024 * 1024
+    Path(row["path"]).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=Path(row["path"]).parent) as spool:  # beside it: the same filesystem
+        size = 0
+        async for chunk in request.stream():  # to disk, not memory: an adapter with its optimizer state is large
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The upload is over train.max_upload_mb ({state.settings.train.max_upload_mb}).")
+            await asyncio.to_thread(spool.write, chunk)
+        spool.seek(0)
+        try:
+            names = await asyncio.to_thread(adapters.unpack, spool, row["path"])
+        except adapters.AdapterError as exc:
+            raise BadRequest(f"Invalid adapter upload: {exc}", param="body") from None
+    return json_response({"alias": alias, "version": version, "files": names, "bytes": size})

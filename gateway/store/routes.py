@@ -1,5 +1,0 @@
-"""The store-backed routes: served by the store process, forwarded unchanged by the gateway (same paths)."""
-
-from gateway.api import checkpoints, feedback, groups, stored, trajectories
-
-STORE_ROUTERS = (stored.router, trajectories.router, feedback.router, groups.router, checkpoints.router)

@@ -1,0 +1,114 @@
+"""Client feedback, and the admin jobs that turn traffic into scored groups.
+
+``POST /flywheel/v1/feedback`` (client key) names a trajectory by its id or by the ``id``
+of any chat completion in it (which every client already has), with a reward and/or a
+label (``good``/``bad``) and an optional comment. Feedback closes the trajectory: the
+client has said how it went. ``POST /flywheel/v1/jobs/groups`` and
+``POST /flywheel/v1/jobs/score`` (admin) run group formation and the scoring job now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from sqlmodel import col, select
+from starlette.responses import Response
+
+from capture.models import Feedback, Trajectory, Turn
+from capture.store import Store
+from capture.turns import new_id
+from gateway.core.errors import BadRequest, NotFound
+from gateway.core.http import json_response
+from gateway.core.openapi import ERRORS, json_body, query
+from gateway.core.protocol import parse_json_object, validate_request
+from gateway.storeproc import store_ops
+from gateway.storeproc.store_state import StoreState
+from judge.rewards import InvalidFeedbackError, feedback_reward
+
+router = APIRouter(prefix="/flywheel/v1")
+
+class FeedbackRequest(BaseModel):
+    trajectory_id: str | None = None
+    completion_id: str | None = Field(default=None, validate_default=True)  # checked even when absent
+    reward: float | None = None
+    label: str | None = None
+    comment: str | None = Field(default=None, max_length=10_000)
+
+    @field_validator("completion_id")
+    @classmethod
+    def _names_a_trajectory(cls, completion_id: str | None, info: ValidationInfo) -> str | None:
+        # A field's validator (not the model's), so the 400 names a parameter.
+        if not (completion_id or info.data.get("trajectory_id")):
+            raise ValueError("give trajectory_id or completion_id")
+        return completion_id
+
+
+class ScoreQuery(BaseModel):
+    alias: str | None = Field(default=None, description="only this alias's groups")
+
+
+def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
+                     client_key_id: str | None) -> str | None:
+    with store.session() as session:
+        if trajectory_id:
+            found = session.get(Trajectory, trajectory_id)
+            ok = found is not None and (client_key_id is None or found.client_key_id == client_key_id)
+            return trajectory_id if ok else None
+        query = select(Turn.trajectory_id).where(Turn.completion_id == completion_id, Turn.source != "fork")
+        if client_key_id is not None:
+            query = query.where(col(Turn.client_key_id) == client_key_id)
+        return session.exec(query.limit(1)).first()
+
+
+def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest, client_key_id: str | None) -> str:
+    feedback_id = new_id("fb")
+    with store.session() as session:
+        session.add(Feedback(id=feedback_id, trajectory_id=trajectory_id, completion_id=request.completion_id,
+                             reward=request.reward, label=request.label, comment=request.comment,
+                             client_key_id=client_key_id))
+        session.commit()
+    store.close_trajectory(trajectory_id, reason="feedback")
+    return feedback_id
+
+
+@router.post("/feedback", openapi_extra=json_body(FeedbackRequest), responses=ERRORS)
+async def post_feedback(request: Request) -> Response:
+    state = StoreState.of(request)
+    key_id = state.auth.client(request)
+    body = parse_json_object(await request.body())
+    validate_request(FeedbackRequest, body)
+    feedback = FeedbackRequest.model_validate(body)
+    try:
+        reward = feedback_reward(feedback.reward, feedback.label)
+    except InvalidFeedbackError as exc:
+        raise BadRequest(f"Invalid feedback: {exc}", param="label" if feedback.label else "reward") from None
+    store = state.store
+    await state.caught_up(request)  # a completion answered a moment ago may still be on its way in
+    trajectory_id = await asyncio.to_thread(_find_trajectory, store, feedback.trajectory_id, feedback.completion_id,
+                                            key_id)
+    if trajectory_id is None:
+        param = "trajectory_id" if feedback.trajectory_id else "completion_id"
+        raise NotFound(f"No captured trajectory for {param} '{body[param]}'.", param=param, code="not_found")
+    feedback_id = await asyncio.to_thread(_record_feedback, store, trajectory_id, feedback, key_id)
+    return Response(orjson.dumps({"id": feedback_id, "object": "flywheel.feedback", "trajectory_id": trajectory_id,
+                                  "reward": reward}), media_type="application/json")
+
+
+@router.post("/jobs/groups", responses=ERRORS)
+async def form_groups_now(request: Request) -> Response:
+    state = StoreState.of(request)
+    state.auth.admin(request)
+    await state.caught_up(request)
+    formed = await asyncio.to_thread(store_ops.run_group_formation, state.store, state.settings)
+    return json_response(formed)
+
+
+@router.post("/jobs/score", openapi_extra=query(ScoreQuery), responses=ERRORS)
+async def score_now(request: Request) -> Response:
+    state = StoreState.of(request)
+    state.auth.admin(request)
+    alias = request.query_params.get("alias")
+    return json_response(await store_ops.score(state.store, state.settings, alias=alias))

@@ -1,0 +1,370 @@
+"""What the loop does where the store is: one named operation each, JSON in and JSON out.
+
+The store process runs them for the gateway (``POST /internal/ops/{name}``, the gateway's
+``StoreLink.op``); the CLI runs the same functions on the store file when no gateway runs.
+Each takes the open :class:`Store`, the :class:`Settings` and keyword arguments, and returns
+something JSON can carry. Blocking ones run on a worker thread; ``score`` is a coroutine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, func, or_
+from sqlmodel import Session, col, delete, select
+
+from capture.groups import GroupingRules, form_groups, held_out
+from capture.models import AdapterVersion, Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
+from capture.store import Store
+from capture.turns import new_id
+from gateway.core.config import Settings
+from gateway.storeproc import versions
+from gateway.storeproc.training_records import record_failed_round, record_training, training_batch
+from judge.rewards import InvalidFeedbackError, feedback_reward
+
+Op = Callable[..., Any]
+OPS: dict[str, Op] = {}
+
+
+def op(name: str) -> Callable[[Op], Op]:
+    def register(function: Op) -> Op:
+        OPS[name] = function
+        return function
+    return register
+
+
+def is_async(name: str) -> bool:
+    return inspect.iscoroutinefunction(OPS[name])
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+def adapter_dir(settings: Settings, alias: str, version: int) -> Path:
+    from trainer.adapters import alias_dir
+
+    return alias_dir(settings.data_dir, alias) / str(version)
+
+
+# -- the pipeline's store jobs ------------------------------------------------------------------------------
+
+
+def holdout_fraction(settings: Settings) -> float:
+    gate = settings.loop.gate
+    return gate.holdout_fraction if settings.loop.enabled and gate.offline else 0.0
+
+
+def grouping_rules(settings: Settings) -> GroupingRules:
+    config = settings.groups
+    return GroupingRules(min_size=config.min_size, max_size=config.max_size, task_window_s=config.task_window_s,
+                         cohorts=config.cohorts, holdout_fraction=holdout_fraction(settings))
+
+
+@op("close_idle")
+def close_idle(store: Store, settings: Settings) -> dict[str, int]:
+    return {"closed": store.close_idle(settings.capture.idle_close_s)}
+
+
+@op("form_groups")
+def run_group_formation(store: Store, settings: Settings) -> dict[str, Any]:
+    """Form the groups the store allows now; the new groups as dicts."""
+    with Session(store.engine, expire_on_commit=False) as session:
+        groups = form_groups(session, grouping_rules(settings))
+        session.commit()
+    return {"formed": [{"id": g.id, "source": g.source, "key": g.key, "alias": g.alias, "size": g.size}
+                       for g in groups]}
+
+
+@op("score")
+async def score(store: Store, settings: Settings, alias: str | None = None) -> dict[str, Any]:
+    from judge.scoring import score_pending
+
+    summary = await score_pending(store.engine, settings.judge, settings.rewards, alias=alias)
+    return asdict(summary)
+
+
+@op("pending")
+def pending(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
+    """What waits for the loop: open trajectories, groups by status, and when the alias last trained."""
+    with store.session() as session:
+        open_count = session.exec(select(func.count()).select_from(Trajectory)
+                                  .where(Trajectory.alias == alias, Trajectory.status == "open")).one()
+        by_status = dict(session.exec(select(Group.status, func.count()).where(Group.alias == alias)
+                                      .group_by(Group.status)).all())
+        last = session.exec(select(func.max(AdapterVersion.created_at))
+                            .where(AdapterVersion.alias == alias, AdapterVersion.source == "trained")).one()
+    return {"open_trajectories": open_count, "groups": {str(k): int(v) for k, v in by_status.items()},
+            "scored_groups": int(by_status.get("scored", 0)), "last_trained_at": last.isoformat() if last else None}
+
+
+# -- training rounds ----------------------------------------------------------------------------------------
+
+
+@op("training_batch")
+def batch(store: Store, settings: Settings, alias: str, max_groups: int,
+          group_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    return [g.to_json() for g in training_batch(store, alias, max_groups, group_ids,
+                                                order=settings.train.batch_order)]
+
+
+@op("reserve_version")
+def reserve_version(store: Store, settings: Settings, alias: str, base_model: str, source: str = "trained",
+                    status: str = "training", path: str | None = None,
+                    parent_version: int | None = None, alone: bool = False) -> dict[str, Any]:
+    """The next version number, reserved. ``alone``: only while no other version of the alias is in flight,
+    checked and reserved as one step across every replica (trainer workers: one round at a time)."""
+    with store.session() as session, \
+            store.exclusive(session, f"reserve:{alias}") if alone else contextlib.nullcontext():
+        if alone and (flight := versions.in_flight(session, alias)) is not None:
+            raise versions.VersionError(f"{alias} already has version {flight.version} in flight ({flight.status}):"
+                                        " one round at a time")
+        row = versions.reserve(session, alias, path_of=lambda n: adapter_dir(settings, alias, n),
+                               base_model=base_model, source=source, status=status, path=path,
+                               parent_version=parent_version)
+        return versions.to_json(row)
+
+
+@op("record_round")
+def record_round(store: Store, settings: Settings, alias: str, version: int, parent_version: int | None,
+                 promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Any:
+    from trainer.grpo import RoundResult
+
+    adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
+                              parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])
+    return versions.to_json(adapter) if adapter is not None else None
+
+
+@op("record_failed_round")
+def failed_round(store: Store, settings: Settings, alias: str, version: int, error: str,
+                 group_ids: list[str] | None = None) -> dict[str, Any]:
+    return versions.to_json(record_failed_round(store, alias, version, error, group_ids or []))
+
+
+# -- versions -----------------------------------------------------------------------------------------------
+
+
+@op("versions")
+def list_versions(store: Store, settings: Settings, alias: str) -> list[dict[str, Any]]:
+    with store.session() as session:
+        return [versions.to_json(row) for row in versions.listing(session, alias)]
+
+
+@op("serving")
+def serving(store: Store, settings: Settings) -> dict[str, Any]:
+    """Per alias: the version serving it and the one in flight (training, candidate or canary), or None."""
+    out: dict[str, Any] = {}
+    with store.session() as session:
+        for alias in settings.aliases:
+            current, flight = versions.serving(session, alias), versions.in_flight(session, alias)
+            out[alias] = {"serving": versions.to_json(current) if current else None,
+                          "in_flight": versions.to_json(flight) if flight else None}
+    return out
+
+
+@op("promote")
+def promote(store: Store, settings: Settings, alias: str, version: int, reason: str,
+            replaced_status: str = "retired") -> dict[str, Any]:
+    with store.session() as session:
+        target, previous = versions.promote(session, alias, version, reason=reason, replaced_status=replaced_status)
+        return {"serving": versions.to_json(target) if target else None,
+                "previous": versions.to_json(previous) if previous else None}
+
+
+@op("rollback_target")
+def rollback_target(store: Store, settings: Settings, alias: str) -> int:
+    with store.session() as session:
+        return versions.rollback_target(session, alias)
+
+
+@op("decide")
+def decide(store: Store, settings: Settings, alias: str, version: int, status: str, reason: str,
+           gate: dict[str, Any] | None = None) -> dict[str, Any]:
+    with store.session() as session:
+        return versions.to_json(versions.decide(session, alias, version, status, reason=reason, gate=gate))
+
+
+@op("record_gate")
+def record_gate(store: Store, settings: Settings, alias: str, version: int, gate: dict[str, Any]) -> dict[str, Any]:
+    with store.session() as session:
+        return versions.to_json(versions.record_gate(session, alias, version, gate))
+
+
+@op("recover")
+def recover(store: Store, settings: Settings, rounds: bool = True) -> dict[str, int]:
+    """When a gateway starts leading the loop: runs and rounds (with ``rounds``; trainer workers' are not the
+    gateway's) that were in progress when the last leader stopped are recorded as such."""
+    with store.session() as session:
+        failed = versions.fail_stale(session) if rounds else 0
+        runs = list(session.exec(select(JobRun).where(JobRun.status == "running")))
+        for run in runs:
+            run.status, run.finished_at, run.error = "interrupted", utcnow(), "the gateway stopped during the run"
+            session.add(run)
+        session.commit()
+    return {"rounds_failed": failed, "runs_interrupted": len(runs)}
+
+
+# -- job runs -----------------------------------------------------------------------------------------------
+
+
+@op("job_started")
+def job_started(store: Store, settings: Settings, job: str, alias: str | None) -> str:
+    run = JobRun(id=new_id("job"), job=job, alias=alias)
+    with store.session() as session:
+        session.add(run)
+        session.commit()
+    return run.id
+
+
+@op("job_finished")
+def job_finished(store: Store, settings: Settings, run_id: str, status: str, counts: dict[str, Any] | None = None,
+                 detail: str | None = None, error: str | None = None) -> None:
+    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run."""
+    with store.session() as session:
+        run = session.get(JobRun, run_id)
+        if run is None:
+            return
+        run.status, run.finished_at, run.counts, run.detail, run.error = status, utcnow(), counts, detail, error
+        session.add(run)
+        if status == "idle":
+            same_alias = col(JobRun.alias) == run.alias if run.alias is not None else col(JobRun.alias).is_(None)
+            session.exec(delete(JobRun).where(col(JobRun.job) == run.job, same_alias,
+                                              col(JobRun.status) == "idle", col(JobRun.id) != run_id))
+        session.commit()
+
+
+@op("last_runs")
+def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> dict[str, dict[str, Any]]:
+    """The latest run of each of ``jobs`` (for ``alias``, or alias-wide): a busy job cannot hide a quiet one."""
+    found: dict[str, dict[str, Any]] = {}
+    with store.session() as session:
+        for job in jobs:
+            query = (select(JobRun).where(col(JobRun.job) == job,
+                                          or_(col(JobRun.alias) == alias, col(JobRun.alias).is_(None)))
+                     .order_by(col(JobRun.started_at).desc()).limit(1))
+            run = session.exec(query).first()
+            if run is not None:
+                found[job] = run.model_dump(mode="json")
+    return found
+
+
+# -- rewards per version (the A/B test, the monitor, status) ------------------------------------------------
+
+
+def trajectory_rewards(session: Session, alias: str, *, since: datetime | None = None,
+                       until: datetime | None = None, versions_in: list[int] | None = None,
+                       judge_only: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """Closed trajectories of ``alias`` with a reward, in the order they closed, and how many were mixed.
+
+    A trajectory's version is the adapter version of its first turn (the canary keeps a conversation
+    on one version; one that changed version midway is counted as mixed and left out). Its reward is
+    the final reward of the scoring job when there is one, else its latest feedback (unless the
+    reward policy is ``judge_only``).
+    """
+    conditions: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
+                                             col(Trajectory.close_reason) != "fork", col(Turn.source) != "fork"]
+    if since is not None:
+        conditions.append(col(Trajectory.created_at) >= since)
+    if until is not None:
+        conditions.append(col(Trajectory.created_at) < until)
+    query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
+             .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
+             .where(*conditions).group_by(col(Trajectory.id), col(Trajectory.closed_at)))
+    rows = session.exec(query).all()
+    mixed = 0
+    by_id: dict[str, dict[str, Any]] = {}
+    for trajectory_id, closed_at, low, high in rows:
+        if low != high:
+            mixed += 1
+            continue
+        if versions_in is None or low in versions_in:
+            by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
+    ids = list(by_id)
+    rewards: dict[str, float] = {}
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        if not judge_only:
+            for feedback in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(chunk))
+                                         .order_by(col(Feedback.created_at))):
+                try:
+                    rewards[feedback.trajectory_id] = feedback_reward(feedback.reward, feedback.label)
+                except InvalidFeedbackError:
+                    continue
+        for score_row in session.exec(select(Score).where(col(Score.trajectory_id).in_(chunk),
+                                                          Score.source == "reward")
+                                      .order_by(col(Score.created_at))):
+            rewards[score_row.trajectory_id] = score_row.value  # the scoring job's final word wins
+    out = [{**by_id[i], "reward": rewards[i]} for i in ids if i in rewards and math.isfinite(rewards[i])]
+    out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
+    for row in out:
+        row["closed_at"] = row["closed_at"].isoformat() if row["closed_at"] else None
+    return out, mixed
+
+
+@op("rewards")
+def rewards(store: Store, settings: Settings, alias: str, since: str | None = None, until: str | None = None,
+            versions_in: list[int] | None = None) -> dict[str, Any]:
+    with store.session() as session:
+        rows, mixed = trajectory_rewards(session, alias, since=_time(since), until=_time(until),
+                                         versions_in=versions_in,
+                                         judge_only=settings.rewards.policy == "judge_only")
+    return {"rewards": rows, "mixed": mixed}
+
+
+@op("reward_by_version")
+def reward_by_version(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
+    """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory."""
+    with store.session() as session:
+        rows, mixed = trajectory_rewards(session, alias, judge_only=settings.rewards.policy == "judge_only")
+    by_version: dict[int, list[float]] = {}
+    for row in rows:
+        by_version.setdefault(row["version"], []).append(row["reward"])
+    return {"versions": {str(v): summarize(values) for v, values in sorted(by_version.items())}, "mixed": mixed}
+
+
+def summarize(values: list[float]) -> dict[str, float | int]:
+    n = len(values)
+    mean = statistics.fmean(values) if values else math.nan
+    half = 1.96 * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf
+    out: dict[str, float | int] = {"n": n, "mean": mean}
+    if math.isfinite(half):
+        out |= {"low": mean - half, "high": mean + half}
+    return out
+
+
+# -- the offline gate's contexts ----------------------------------------------------------------------------
+
+
+@op("heldout_contexts")
+def heldout_contexts(store: Store, settings: Settings, alias: str, count: int) -> list[dict[str, Any]]:
+    """The first request of the ``count`` most recent held-out conversations (never in a group, so never trained on).
+
+    Sub-agent trajectories are left out: they are scored (and may be trained) with their parent's group.
+    """
+    fraction = holdout_fraction(settings)
+    grouped = select(GroupMember.trajectory_id)
+    with store.session() as session:
+        recent = session.exec(select(Trajectory.id).where(Trajectory.alias == alias, Trajectory.status == "closed",
+                                                          col(Trajectory.close_reason) != "fork",
+                                                          col(Trajectory.parent_trajectory_id).is_(None),
+                                                          col(Trajectory.id).not_in(grouped))
+                              .order_by(col(Trajectory.closed_at).desc()).limit(max(count * 50, 1000))).all()
+        chosen = [t for t in recent if held_out(t, fraction)][:count]
+        contexts = []
+        for trajectory_id in chosen:
+            first = session.exec(select(Turn).where(Turn.trajectory_id == trajectory_id, Turn.depth == 0,
+                                                    Turn.source != "fork")
+                                 .order_by(col(Turn.created_at)).limit(1)).first()
+            if first is not None and first.endpoint == "chat.completions" and first.request_messages:
+                contexts.append({"trajectory_id": trajectory_id, "messages": first.request_messages,
+                                 "tools": first.tools})
+    return contexts
+
