@@ -19,12 +19,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import flywheel
 import openai
 
-SERVER_PACKAGES = {"torch", "transformers", "fastapi", "uvicorn", "duckdb", "sqlmodel", "litellm", "gateway",
-                   "capture", "judge", "trainer"}
-loaded = SERVER_PACKAGES & {name.split(".")[0] for name in sys.modules}
+import flywheel
+
+SERVER_PACKAGES = {"torch", "transformers", "fastapi", "uvicorn", "duckdb", "sqlmodel", "litellm"}
+SERVER_PARTS = {"flywheel.gateway", "flywheel.capture", "flywheel.judge", "flywheel.trainer"}
+loaded = (SERVER_PACKAGES & {name.split(".")[0] for name in sys.modules}) | (
+    SERVER_PARTS & {".".join(name.split(".")[:2]) for name in sys.modules})
 assert not loaded, f"import flywheel loaded {sorted(loaded)}"
 
 seen: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, flywheel headers, body

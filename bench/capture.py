@@ -59,10 +59,10 @@ from sqlalchemy import text
 
 from bench.gateway_overhead import Args as OverheadArgs
 from bench.gateway_overhead import Connection, Target, check, settle, start_flywheel, start_mock
-from capture.canonical import message_hash, prefix_hashes
-from capture.linker import TrajectoryLinker
-from capture.store import Store
-from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
+from flywheel.capture.canonical import message_hash, prefix_hashes
+from flywheel.capture.linker import TrajectoryLinker
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 
 
 @dataclass
@@ -347,7 +347,7 @@ def store_cpu(workdir: Path) -> dict[str, float]:
     (prefix links), and conversations whose system prompt carries the time (tail links, history edits)."""
     from collections import Counter
 
-    from capture.turns import prepare_lines
+    from flywheel.capture.turns import prepare_lines
 
     say_hello = [CapturedExchange(
         completion_id=f"chatcmpl-{i}", endpoint="chat.completions", requested_model="gpt-4o", alias="bench",

@@ -15,7 +15,7 @@ What each round does, as the gateway's loop will (examples/demo/task.py is the t
    token ids and behaviour logprobs kept as the engine reports them;
 2. reward each episode with ``task.episode_reward`` and build the ``TrainingGroup`` s the
    gateway's capture would hand the trainer (two turns per member, exact ids, logprobs);
-3. ``trainer.grpo.train_round`` on them, continuing from the previous round's adapter and
+3. ``flywheel.trainer.grpo.train_round`` on them, continuing from the previous round's adapter and
    optimizer state (``GRPOArgs.tiny()`` + ``--grpo``);
 4. evaluate the new adapter on held-out requests: the right-tool rate of ``eval_samples``
    first turns at temperature 1 and of one greedy answer per request, and the format rate
@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
 from examples.demo import task
-from gateway.cli.demo import TINY_TRAIN_ARGS
-from gateway.core.processes import NotAnswering, free_port, wait_until_answering
-from gateway.serving.engines.local.toolcalls import parse_tool_calls
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.gateway.cli.demo import TINY_TRAIN_ARGS
+from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.serving.engines.local.toolcalls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS_MIN = (2.0, 5.0, 8.0)  # loop-clock minutes at which the summary reads the curve
@@ -96,9 +96,9 @@ class Args:
     log: str = ""
     """append the run (settings, every round, summary) as one JSON line to this file"""
     measure_child: bool = False
-    """also run round 1 again as `python -m trainer.grpo` in a fresh process and report its wall and CPU time"""
+    """also run round 1 again as `python -m flywheel.trainer.grpo` in a fresh process; report its wall and CPU"""
     measure_gateway: int = 0
-    """serve the warm start with `python -m gateway serve`, run this many agent episodes, report their cost"""
+    """serve the warm start with `python -m flywheel.gateway serve`, run this many agent episodes, report their cost"""
     threads: int = 1
     """torch CPU threads (0: torch's default)"""
     seed: int = 0
@@ -142,7 +142,7 @@ class Turn:
 
 def render(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Prompt ids as the local engine makes them (gateway/serving/engines/local/prompts.py)."""
-    from gateway.serving.engines.local.prompts import render_chat, template_messages
+    from flywheel.gateway.serving.engines.local.prompts import render_chat, template_messages
 
     return render_chat(tokenizer, template_messages(messages), task.TOOLS, {})
 
@@ -268,13 +268,13 @@ def load_policy(base: Path, adapter: Path | None) -> Any:
 
 def child_round_seconds(base: Path, groups: list[TrainingGroup], grpo: dict[str, Any], work: Path, threads: int,
                         ) -> tuple[float, float]:
-    """(wall, CPU) seconds of ``python -m trainer.grpo`` on ``groups`` in a new process: imports + load + round."""
+    """(wall, CPU) seconds of ``python -m flywheel.trainer.grpo`` on ``groups`` in a new process."""
     groups_file = work / "child-groups.jsonl"
     groups_file.write_text("".join(json.dumps(g.to_json()) + "\n" for g in groups))
     flags = [x for key, value in grpo.items() if key != "progress"
              for x in (f"--{key.replace('_', '-')}", ",".join(value) if isinstance(value, list) else str(value))]
     before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run([sys.executable, "-m", "trainer.grpo", "--base", str(base), "--groups", str(groups_file),
+    subprocess.run([sys.executable, "-m", "flywheel.trainer.grpo", "--base", str(base), "--groups", str(groups_file),
                     "--out", str(work / "child-adapter"), "--tiny", *flags], check=True, cwd=ROOT,
                    capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads or "")})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -301,7 +301,7 @@ def gateway_episode_cost(model: Path, episodes: int, work: Path, seed: int) -> d
                       f'[engines.local]\nmodel = "{model}"\n[aliases.demo]\nengine = "local"\n')
     url = f"http://127.0.0.1:{port}"
     with (work / "gateway.log").open("wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
+        server = subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config), "--port",
                                    str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         try:
@@ -334,10 +334,10 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from trainer import adapters
-    from trainer.grpo import GRPOArgs, train_round
-    from trainer.tiny_model import ensure_tiny_model
-    from trainer.warm_start import warm_start
+    from flywheel.trainer import adapters
+    from flywheel.trainer.grpo import GRPOArgs, train_round
+    from flywheel.trainer.tiny_model import ensure_tiny_model
+    from flywheel.trainer.warm_start import warm_start
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -398,7 +398,8 @@ def main() -> None:
         train_s = time.process_time() - cpu
         if args.measure_child and round_ == 1:
             child_wall, child_cpu = child_round_seconds(base, episodes.groups, grpo, run_dir, args.threads)
-            print(f"round 1 as a fresh `python -m trainer.grpo` process: {child_wall:.1f} s wall, {child_cpu:.1f} s "
+            print(f"round 1 as a fresh `python -m flywheel.trainer.grpo` process: {child_wall:.1f} s wall, "
+                  f"{child_cpu:.1f} s "
                   f"CPU (in this process: {train_s:.1f} s CPU)", flush=True)
         clock += len(episodes.rewards) * args.episode_cost_s + train_s + args.round_overhead_s
         if result.status == "finished":

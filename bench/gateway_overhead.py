@@ -9,7 +9,7 @@ it the other numbers are still reported, with the reason LiteLLM is missing.
 
 It starts three processes on free loopback ports, stopped by their handles at the end:
 the fast mock upstream (``bench/mock_openai_server.py``), the Flywheel gateway
-(``python -m gateway serve``) pointed at it, and the LiteLLM proxy (one worker) pointed at
+(``python -m flywheel.gateway serve``) pointed at it, and the LiteLLM proxy (one worker) pointed at
 it. Then, for each target (the mock directly; through Flywheel; through Flywheel with
 ``X-Flywheel-Capture: off``, which isolates the proxy from the capture path; through
 LiteLLM), with the same chat request:
@@ -61,7 +61,7 @@ import httptools
 import orjson
 import psutil
 
-from gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CAPTURE = "flywheel, capture off"  # the same gateway, asked per request not to record the turn
@@ -192,7 +192,7 @@ def start_flywheel(workdir: Path, mock_port: int) -> Server:
         engine = "mock"
         base_model = "mock-model"
         """))
-    return spawn("flywheel", [sys.executable, "-m", "gateway", "serve", "--config", str(config)], workdir)
+    return spawn("flywheel", [sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config)], workdir)
 
 
 def start_litellm(workdir: Path, mock_port: int, master_key: str) -> Server:

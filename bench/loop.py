@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from gateway.core.processes import free_port, wait_until_answering
+from flywheel.gateway.core.processes import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "Who are you?"}]
@@ -114,8 +114,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_model(root: Path) -> Path:
     sys.path.insert(0, str(ROOT))
+    from flywheel.trainer.tiny_model import build_tiny_model
     from tests.support import memorize
-    from trainer.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(root / "tiny")
     return memorize(tiny, root / "agent", [(QUESTION, "I am the agent.")])
@@ -159,7 +159,8 @@ max_completion_tokens = 16
 [loop]
 enabled = false
 """)
-        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
+        gateway = subprocess.Popen([sys.executable, "-m", "flywheel.gateway",
+                                    "serve", "--config", str(config), "--port",
                                     str(port)], cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -212,8 +213,8 @@ def _round_end_to_serving(database: Path, version: int, serving_since: datetime)
     """Seconds from the round's recorded end (its run's ``finished_at``) to the new version serving."""
     from sqlmodel import select
 
-    from capture.models import AdapterVersion, TrainingRun
-    from capture.store import Store
+    from flywheel.capture.models import AdapterVersion, TrainingRun
+    from flywheel.capture.store import Store
 
     store = Store(database)
     try:

@@ -8,7 +8,7 @@
 
 It starts a throwaway PostgreSQL cluster (``initdb`` + ``pg_ctl`` on a free loopback port, as
 ``tests/postgres.py`` does, but with PostgreSQL's default durability: fsync and synchronous commit
-on), an upstream and gateways (``python -m gateway serve``, capture on, ``[capture] database`` a
+on), an upstream and gateways (``python -m flywheel.gateway serve``, capture on, ``[capture] database`` a
 PostgreSQL URL, the loop off), and stops them all by their handles at the end. The upstream is the
 fast mock (``bench/mock_openai_server.py``) with one change by default (``--upstream echo``): a chat
 answer names the question it answers, so answers differ between conversations as an LLM's do;
@@ -84,11 +84,11 @@ from sqlalchemy.dialects import postgresql
 
 from bench.capture import thread_cpu_s
 from bench.gateway_overhead import Connection, Server, Target, free_port, percentile, spawn, start_mock
-from capture import linker as linker_module
-from capture.canonical import message_hash
-from capture.linker import TrajectoryLinker
-from capture.store import Store
-from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
+from flywheel.capture import linker as linker_module
+from flywheel.capture.canonical import message_hash
+from flywheel.capture.linker import TrajectoryLinker
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 
 MODES = ("one replica", "two replicas")
 
@@ -272,7 +272,7 @@ def start_gateway(name: str, workdir: Path, mock_port: int, database: str) -> Se
         [loop]
         enabled = false
         """))
-    return spawn(name, [sys.executable, "-m", "gateway", "serve", "--config", str(config)], workdir)
+    return spawn(name, [sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config)], workdir)
 
 
 def stop_gateways(gateways: list[Server]) -> None:

@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # so `python bench/ruler_agreement.py` finds judge/ and tests/ too
     sys.path.insert(0, str(REPO))
 
-from capture.trajectory import Trajectory, TrajectoryGroup  # noqa: E402
-from judge import DEFAULT_RUBRIC, ruler_score_group  # noqa: E402
+from flywheel.capture.trajectory import Trajectory, TrajectoryGroup  # noqa: E402
+from flywheel.judge import DEFAULT_RUBRIC, ruler_score_group  # noqa: E402
 
 
 @dataclass

@@ -43,7 +43,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from gateway.core.processes import NotAnswering, free_ports, wait_until_answering
+from flywheel.gateway.core.processes import NotAnswering, free_ports, wait_until_answering
 
 CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Quito", "Accra", "Perth", "Turin", "Hanoi", "Cusco")
 SYSTEM = {"role": "system", "content": "You are a travel agent. Use the weather tool before you answer."}
@@ -222,7 +222,7 @@ async def sample_memory(gateway: psutil.Process, run: Run, t0: float, every_s: f
 def _store_process(gateway: psutil.Process) -> psutil.Process | None:
     for child in gateway.children():
         try:
-            if "gateway.storeproc.main" in " ".join(child.cmdline()):
+            if "flywheel.gateway.storeproc.main" in " ".join(child.cmdline()):
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -276,7 +276,7 @@ train_every_s = 1000000000
         wait_until_answering(f"http://127.0.0.1:{upstream_port}", stand_ins, timeout_s=60.0, path="/v1/models")
     except NotAnswering as exc:
         raise SystemExit(f"the stand-ins did not start: {exc}") from exc
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
+    gateway = subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config),
                                 "--port", str(gateway_port)], env=env, stdout=(workdir / "gateway.log").open("wb"),
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{gateway_port}"
@@ -294,7 +294,7 @@ def lost_turns(database: Path, conversations: list[Sent]) -> dict[str, int]:
     trajectories (or not in the one they named)."""
     from sqlalchemy import text
 
-    from capture.store import Store
+    from flywheel.capture.store import Store
 
     store = Store(database)
     try:

@@ -8,7 +8,7 @@ Both modes train the same model with the same LoRA (r 16, all linear layers), ba
 (``groups`` prompts x ``group_size`` completions, ``per_device_train_batch_size`` = one group,
 ``gradient_accumulation_steps``), completion length and number of optimizer steps:
 
-- ``captured``: ``trainer.grpo.train_round`` on pre-built groups whose completions (random
+- ``captured``: ``flywheel.trainer.grpo.train_round`` on pre-built groups whose completions (random
   tokens, exactly ``completion_tokens`` long, with behaviour logprobs) stand in for traffic
   the gateway captured;
 - ``generate``: TRL's ``GRPOTrainer`` sampling its completions with ``model.generate``
@@ -80,7 +80,7 @@ def questions(n: int) -> list[str]:
 
 
 def grpo_args(args: Args, **extra: Any) -> Any:
-    from trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo import GRPOArgs
 
     return GRPOArgs.tiny(max_steps=args.steps, num_generations=args.group_size,
                          gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -102,7 +102,7 @@ def step_times(log_history: list[dict[str, Any]]) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-# --------------------------------------------------------------------------- captured: trainer.grpo
+# --------------------------------------------------------------------------- captured: flywheel.trainer.grpo
 
 
 def run_captured(args: Args) -> dict[str, Any]:
@@ -110,8 +110,8 @@ def run_captured(args: Args) -> dict[str, Any]:
     import trl  # noqa: F401
     from transformers import AutoTokenizer
 
-    from capture.batches import BranchTurn, GroupMember, TrainingGroup
-    from trainer.grpo import train_round
+    from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+    from flywheel.trainer.grpo import train_round
 
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -153,7 +153,7 @@ def run_generate(args: Args) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.grpo import _target_modules
+    from flywheel.trainer.grpo import _target_modules
 
     settings = grpo_args(args)
     cuda = torch.cuda.is_available()
@@ -212,7 +212,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
-            from trainer.tiny_model import build_tiny_model
+            from flywheel.trainer.tiny_model import build_tiny_model
 
             args.model = str(build_tiny_model(Path(tmp) / "tiny", seed=args.seed))
         runs: dict[str, list[dict[str, Any]]] = {"captured": [], "generate": []}

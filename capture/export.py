@@ -3,13 +3,13 @@
 Three formats (``docs/storage.md`` "Export formats")::
 
     openai   JSON Lines, one {"messages": [...], "tools": [...]} per branch: OpenAI chat fine-tuning
-    art      JSON Lines, one ART-style trajectory per branch (loads into capture.trajectory.Trajectory)
+    art      JSON Lines, one ART-style trajectory per branch (loads into flywheel.capture.trajectory.Trajectory)
     parquet  turns.parquet + trajectories.parquet, written by DuckDB's COPY (a DuckDB store only)
 
-The JSON formats are built from a trajectory *detail* (the dict :func:`capture.queries.trajectory_detail`
+The JSON formats are built from a trajectory *detail* (the dict :func:`flywheel.capture.queries.trajectory_detail`
 returns, and the admin API serves), so the CLI makes the same files whether it reads the
 file or a running gateway. A branch's conversation is read back from its turns
-(:func:`capture.history.branch_conversation`): the leaf's request and answer when every
+(:func:`flywheel.capture.history.branch_conversation`): the leaf's request and answer when every
 request repeated the history, the conversation as it happened when some rewrote it.
 """
 
@@ -26,11 +26,11 @@ from typing import Any, Literal
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
-from capture.history import branch_conversation
-from capture.models import Trajectory as TrajectoryRow
-from capture.queries import TrajectoryFilter
-from capture.store import Store
-from capture.trajectory import Trajectory
+from flywheel.capture.history import branch_conversation
+from flywheel.capture.models import Trajectory as TrajectoryRow
+from flywheel.capture.queries import TrajectoryFilter
+from flywheel.capture.store import Store
+from flywheel.capture.trajectory import Trajectory
 
 Format = Literal["openai", "art", "parquet"]
 FORMATS: tuple[str, ...] = ("openai", "art", "parquet")
@@ -57,7 +57,7 @@ def check_destination(out: Path, fmt: str) -> None:
 
 
 def branch_messages(detail: dict[str, Any], leaf_turn_id: str) -> list[dict[str, Any]]:
-    """The whole conversation of the branch ending at ``leaf_turn_id`` (``capture.history.branch_conversation``)."""
+    """The whole conversation of the branch ending at ``leaf_turn_id`` (``history.branch_conversation``)."""
     branch = next(b for b in detail["branches"] if b[-1] == leaf_turn_id)
     return _conversation(detail, branch)[0]
 
@@ -199,7 +199,7 @@ def _sql_string(path: Path) -> str:
 def load_details(store: Store, details: Iterable[dict[str, Any]]) -> int:
     """Insert trajectory details (from the admin API) into ``store``, so a scratch DuckDB file can be
     exported to Parquet with the same schema as the gateway's own file. Returns turns inserted."""
-    from capture.models import Turn
+    from flywheel.capture.models import Turn
 
     written = 0
     with store.session() as session:

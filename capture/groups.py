@@ -33,12 +33,12 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
-from capture.canonical import content_text
-from capture.history import branch_conversation
-from capture.models import Group, Score, Trajectory, Turn, utcnow
-from capture.models import GroupMember as GroupMemberRow
-from capture.turns import new_id
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.capture.canonical import content_text
+from flywheel.capture.history import branch_conversation
+from flywheel.capture.models import Group, Score, Trajectory, Turn, utcnow
+from flywheel.capture.models import GroupMember as GroupMemberRow
+from flywheel.capture.turns import new_id
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = Fal
 
 def branch_messages(turns: list[Turn]) -> list[dict[str, Any]]:
     """A branch as one OpenAI message list: the conversation as it happened, each answer in place
-    (``capture.history.branch_conversation``: a request that rewrote its history loses nothing before it)."""
+    (``flywheel.capture.history.branch_conversation``: a request that rewrote its history loses nothing before it)."""
     return branch_conversation(turns)[0]
 
 

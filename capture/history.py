@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from difflib import SequenceMatcher
 from typing import Any, Protocol
 
-from capture.canonical import message_hash
+from flywheel.capture.canonical import message_hash
 
 _SYSTEM_ROLES = ("system", "developer")
 
 
 class BranchStep(Protocol):
-    """What :func:`branch_conversation` reads of a turn (``capture.models.Turn`` has it)."""
+    """What :func:`branch_conversation` reads of a turn (``flywheel.capture.models.Turn`` has it)."""
 
     request_messages: list[dict[str, Any]] | None
     response_message: dict[str, Any] | None

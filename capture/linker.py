@@ -1,7 +1,7 @@
 """The linker: which trajectory, and which parent turn, each captured turn continues (architecture §4).
 
 It runs in the store process, on the recorder's writer thread, once per batch
-(:meth:`capture.store.Store.write_turns`): :meth:`TrajectoryLinker.prefetch` reads every
+(:meth:`flywheel.capture.store.Store.write_turns`): :meth:`TrajectoryLinker.prefetch` reads every
 candidate the batch can need with a few indexed queries, :meth:`TrajectoryLinker.link`
 then decides each turn in memory, :meth:`TrajectoryLinker.finish` records what rewritten
 histories changed, and the store writes the rows it produced.
@@ -43,10 +43,10 @@ from sqlalchemy import bindparam, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
-from capture.canonical import content_text, message_hash
-from capture.history import history_edits
-from capture.models import Trajectory, Turn
-from capture.turns import PreparedTurn, new_id
+from flywheel.capture.canonical import content_text, message_hash
+from flywheel.capture.history import history_edits
+from flywheel.capture.models import Trajectory, Turn
+from flywheel.capture.turns import PreparedTurn, new_id
 
 log = logging.getLogger("flywheel.linker")
 T = TypeVar("T")

@@ -29,9 +29,9 @@ from typing import Any, Final, Literal
 from sqlalchemy import ColumnElement, and_, exists, func, or_
 from sqlmodel import Session, col, delete, select
 
-from capture.models import Feedback, GroupMember, Score, Trajectory, Turn
-from capture.models import Group as GroupRow
-from capture.store import Store
+from flywheel.capture.models import Feedback, GroupMember, Score, Trajectory, Turn
+from flywheel.capture.models import Group as GroupRow
+from flywheel.capture.store import Store
 
 Order = Literal["asc", "desc"]
 CHAT_ENDPOINT: Final = "chat.completions"

@@ -36,10 +36,10 @@ from typing import BinaryIO
 
 import orjson
 
-from capture.linker import ParentWait
-from capture.redaction import Redactor
-from capture.store import Store
-from capture.turns import PreparedTurn, prepare_lines
+from flywheel.capture.linker import ParentWait
+from flywheel.capture.redaction import Redactor
+from flywheel.capture.store import Store
+from flywheel.capture.turns import PreparedTurn, prepare_lines
 
 log = logging.getLogger("flywheel.recorder")
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 if TYPE_CHECKING:
-    from capture.turns import CapturedExchange
+    from flywheel.capture.turns import CapturedExchange
 
 # The patterns are written for the speed of Python's re: each starts with a character class, so the
 # engine jumps from candidate to candidate in C instead of trying every position; what would come first

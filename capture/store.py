@@ -30,9 +30,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-from capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
-from capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
-from capture.turns import PreparedTurn
+from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
+from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
+from flywheel.capture.turns import PreparedTurn
 
 log = logging.getLogger("flywheel.store")
 

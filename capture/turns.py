@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from capture.canonical import ROOT, extend_hash, message_hash, prefix_hashes, task_key
-from capture.redaction import Redactor, redact_exchange
+from flywheel.capture.canonical import ROOT, extend_hash, message_hash, prefix_hashes, task_key
+from flywheel.capture.redaction import Redactor, redact_exchange
 
 log = logging.getLogger("flywheel.capture")
 

@@ -13,10 +13,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import flywheel as art
-from flywheel.rewards import ruler_score_group
-
 from examples import agent
 from examples.agent import Episode
+from flywheel.rewards import ruler_score_group
 
 Rollout = Callable[[art.Model, Any], Awaitable[art.Trajectory]]
 

@@ -1,5 +1,5 @@
-"""``python -m gateway`` is the ``flywheel`` command."""
+"""``python -m flywheel.gateway`` is the ``flywheel`` command."""
 
-from gateway.cli import main
+from flywheel.gateway.cli import main
 
 main()

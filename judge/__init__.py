@@ -24,8 +24,8 @@ Exceptions::
 See ``docs/judge.md``.
 """
 
-from judge.cache import JudgeCache
-from judge.rewards import (
+from flywheel.judge.cache import JudgeCache
+from flywheel.judge.rewards import (
     LABEL_REWARDS,
     FinalReward,
     InvalidFeedbackError,
@@ -34,8 +34,8 @@ from judge.rewards import (
     combine_rewards,
     feedback_reward,
 )
-from judge.rubric import DEFAULT_RUBRIC, PROMPT_VERSION, RubricConfig, resolve_rubric, rubric_hash
-from judge.ruler import (
+from flywheel.judge.rubric import DEFAULT_RUBRIC, PROMPT_VERSION, RubricConfig, resolve_rubric, rubric_hash
+from flywheel.judge.ruler import (
     Candidate,
     JudgeAnswerError,
     JudgeCallError,

@@ -3,9 +3,9 @@
     cache = JudgeCache(engine)                       # a SQLAlchemy engine on the store
     scored = await ruler_score_group(group, "openai/o3", cache=cache)
 
-One judging of a group is a *batch* of :class:`~capture.models.Score` rows, one per
+One judging of a group is a *batch* of :class:`~flywheel.capture.models.Score` rows, one per
 trajectory in group order, all with ``source="ruler"`` and the same ``cache_key``
-(:func:`~judge.ruler.ruler_cache_key`: judge model + rubric hash + prompt version + task +
+(:func:`~flywheel.judge.ruler.ruler_cache_key`: judge model + rubric hash + prompt version + task +
 the canonical JSON of the messages and tools). Row ids are ``rs_<batch>_<position>``, so a
 batch reads back in order without a position column. The batch's first row carries the
 call's tokens and cost; the others hold 0 tokens and a NULL cost, so ``SUM`` over the
@@ -28,9 +28,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from capture.models import Score
-from judge.rubric import PROMPT_VERSION
-from judge.ruler import RulerResult, RulerScore
+from flywheel.capture.models import Score
+from flywheel.judge.rubric import PROMPT_VERSION
+from flywheel.judge.ruler import RulerResult, RulerScore
 
 SOURCE = "ruler"
 

@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, model_validator
 
-from capture.trajectory import TrajectoryGroup
+from flywheel.capture.trajectory import TrajectoryGroup
 
 LABEL_REWARDS: dict[str, float] = {"good": 1.0, "bad": 0.0}  # what a label means as a reward
 
@@ -113,7 +113,7 @@ def apply_rewards(group: TrajectoryGroup, feedback_by_trajectory: Mapping[str, f
     """A copy of ``group`` with each trajectory's final reward set (the input is left untouched).
 
     The judge score is read from ``metrics["ruler_score"]`` (set by
-    :func:`~judge.ruler.ruler_score_group`; absent when the group was not judged), the
+    :func:`~flywheel.judge.ruler.ruler_score_group`; absent when the group was not judged), the
     feedback from ``feedback_by_trajectory[trajectory.id]`` (already one value per
     trajectory, e.g. the latest via :func:`feedback_reward`). Each trajectory gets
     ``metadata["reward_source"]``: ``"ruler"``, ``"feedback"``, ``"weighted"``, or ``None``

@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from capture.trajectory import Trajectory, TrajectoryGroup
-from judge import rubric as prompts
-from judge.rubric import DEFAULT_RUBRIC, PROMPT_VERSION, RubricConfig, rubric_hash
+from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
+from flywheel.judge import rubric as prompts
+from flywheel.judge.rubric import DEFAULT_RUBRIC, PROMPT_VERSION, RubricConfig, rubric_hash
 
 if TYPE_CHECKING:
-    from judge.cache import JudgeCache
+    from flywheel.judge.cache import JudgeCache
 
 log = logging.getLogger("judge")
 
@@ -434,7 +434,7 @@ async def ruler(message_lists: Sequence[Sequence[Message]], judge_model: str = "
     Args:
         message_lists: one list of chat messages per trajectory (assistant turns included).
         judge_model: a litellm model string: ``openai/o3``, ``anthropic/...``, ``hosted_vllm/<name>``.
-        rubric: grading standards; :data:`~judge.rubric.DEFAULT_RUBRIC` suits most tasks.
+        rubric: grading standards; :data:`~flywheel.judge.rubric.DEFAULT_RUBRIC` suits most tasks.
         tools: the tool schemas all trajectories had (sent once).
         task: an optional description of the goal, when the messages do not make it plain.
         api_base, api_key: the judge's endpoint (OpenAI-style base URL with ``/v1``) and key.
@@ -499,7 +499,7 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
                             extra_litellm_params: Mapping[str, Any] | None = None) -> TrajectoryGroup | None:
     """Judge a group and return a copy with the scores as rewards (see :func:`apply_scores`).
 
-    With ``cache`` (a :class:`~judge.cache.JudgeCache` on the store), a group whose
+    With ``cache`` (a :class:`~flywheel.judge.cache.JudgeCache` on the store), a group whose
     content was judged before with the same model, rubric and prompt version is answered
     from the ``scores`` table without a call; a new answer is written there, with the
     trajectory ids, the group id and the call's tokens and cost. Concurrent callers with

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from capture.groups import branch_messages, branch_turns, member_messages
-from capture.models import Feedback, Group, Score, utcnow
-from capture.models import GroupMember as GroupMemberRow
-from capture.trajectory import Trajectory, TrajectoryGroup
-from capture.turns import new_id
-from judge.cache import JudgeCache
-from judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
-from judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
-from judge.ruler import JudgeConfig, ruler_score_group
+from flywheel.capture.groups import branch_messages, branch_turns, member_messages
+from flywheel.capture.models import Feedback, Group, Score, utcnow
+from flywheel.capture.models import GroupMember as GroupMemberRow
+from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
+from flywheel.capture.turns import new_id
+from flywheel.judge.cache import JudgeCache
+from flywheel.judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
+from flywheel.judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
+from flywheel.judge.ruler import JudgeConfig, ruler_score_group
 
 log = logging.getLogger("flywheel.scoring")
 

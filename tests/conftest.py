@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from capture.store import Store
+from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.postgres import postgres, postgres_url  # noqa: F401  (fixtures)
 
@@ -76,7 +76,7 @@ def _stop_gateways_a_test_left_running() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny_model import build_tiny_model
+    from flywheel.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
@@ -123,7 +123,7 @@ admin_key = "{ADMIN_KEY}"
 def relay_gateway(local_gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[GatewayProcess]:
     """Upstream engine pointed at ``local_gateway``; plus an impatient engine and one whose upstream is down."""
-    from gateway.core.processes import free_port
+    from flywheel.gateway.core.processes import free_port
 
     upstream = f"{local_gateway.url}/v1"
     gateway = GatewayProcess(tmp_path_factory.mktemp("gw"), f"""

@@ -1,4 +1,4 @@
-"""Run a real gateway (``python -m gateway serve``) on a free loopback port for a test."""
+"""Run a real gateway (``python -m flywheel.gateway serve``) on a free loopback port for a test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import psutil
 
-from gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 
 class GatewayProcess:
@@ -49,7 +49,7 @@ class GatewayProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_file),
+                [sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(self.config_file),
                  "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
         GatewayProcess.running.add(self)
         try:
@@ -62,7 +62,7 @@ class GatewayProcess:
 
     @property
     def store_process(self) -> psutil.Process:
-        (store,) = [p for p in self.children if "gateway.storeproc.main" in p.cmdline()]
+        (store,) = [p for p in self.children if "flywheel.gateway.storeproc.main" in p.cmdline()]
         return store
 
     def stop(self) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from gateway.core.processes import free_port
+from flywheel.gateway.core.processes import free_port
 
 USER = "flywheel"
 PASSWORD = "pg-test-secret"  # a test of its own checks that it is never printed

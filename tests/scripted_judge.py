@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.core.processes import free_port
+from flywheel.gateway.core.processes import free_port
 from tests.scripted_openai import LoopbackServer
 
 TRAJECTORY_BLOCK = re.compile(r'<trajectory id="([^"]+)">\n(.*?)\n</trajectory>', re.DOTALL)

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.core.processes import free_port
+from flywheel.gateway.core.processes import free_port
 
 
 @dataclass

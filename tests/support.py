@@ -36,7 +36,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def build_tiny(path: Path) -> Path:
     """The tiny model in ``path`` (built once)."""
-    from trainer.tiny_model import ensure_tiny_model
+    from flywheel.trainer.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(path)
 

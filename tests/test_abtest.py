@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.serving.loop.abtest import SequentialTest
+from flywheel.gateway.serving.loop.abtest import SequentialTest
 
 Draw = Callable[[random.Random], float]
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import flywheel
 import pytest
 
+import flywheel
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
@@ -44,7 +44,7 @@ admin_key = "{ADMIN_KEY}"
 
 
 def autorl(gateway: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", "autorl", "--task", TASK, "--alias", "baker",
+    return subprocess.run([sys.executable, "-m", "flywheel.gateway", "autorl", "--task", TASK, "--alias", "baker",
                            "--config", str(gateway.config_file), "--gateway", gateway.url, "--admin-key", ADMIN_KEY,
                            "--api-key", CLIENT_KEY, "--max-tokens", "4", *args], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OPENAI_API_KEY": "unused"})

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from capture.canonical import ROOT, canonical_message, content_text, prefix_hashes, task_key
+from flywheel.capture.canonical import ROOT, canonical_message, content_text, prefix_hashes, task_key
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "Tu es un agent de voyage. Réponds en français — «toujours»."},

@@ -20,7 +20,7 @@ from typing import Any
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from capture.canonical import prefix_hashes
+from flywheel.capture.canonical import prefix_hashes
 
 # Text as a client can send it: any code point JSON can carry (lone surrogates are refused when the body is parsed).
 TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=12)

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from sqlmodel import col, select
 
-from capture.models import Trajectory, Turn
-from capture.store import Store
+from flywheel.capture.models import Trajectory, Turn
+from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 from tests.waiting import wait_for

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
-from gateway.core.processes import free_port
+from flywheel.gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
+from flywheel.gateway.core.processes import free_port
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import LoopbackServer, ScriptedOpenAI
 
@@ -83,7 +83,7 @@ def test_route_to_unknown_alias_is_refused(tmp_path: Path) -> None:
 def test_cli_reports_bad_config_in_one_line(tmp_path: Path, content: str, expected: str) -> None:
     config = tmp_path / "bad.toml"
     config.write_text(content)
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+    result = subprocess.run([sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -91,15 +91,17 @@ def test_cli_reports_bad_config_in_one_line(tmp_path: Path, content: str, expect
 
 
 def test_cli_reports_missing_config_file(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(tmp_path / "none.toml")],
+    result = subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                             "serve", "--config", str(tmp_path / "none.toml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "config file not found" in result.stderr
 
 
 def one_line_error(args: list[str], env: dict[str, str] | None = None) -> str:
-    """Run ``python -m gateway ARGS``; it must fail with exactly one ``error: ...`` line. Returns that line."""
+    """Run ``python -m flywheel.gateway ARGS``; it must fail with exactly one ``error: ...`` line. Returns that line."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    result = subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                             *args], capture_output=True, text=True, timeout=120,
                             env={**clean, **(env or {})})
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -267,7 +269,7 @@ def test_an_upstream_alias_without_base_model_needs_an_upstream_with_one_model(t
 
 
 def test_cli_failures_are_one_line(tmp_path: Path) -> None:
-    from capture.store import Store
+    from flywheel.capture.store import Store
 
     Store(tmp_path / "store.duckdb").close()
     blocker = tmp_path / "a-file"

@@ -18,17 +18,17 @@ from pathlib import Path
 import httpx
 import openai
 
-from gateway.core.processes import free_port
+from flywheel.gateway.core.processes import free_port
 
 
 def flywheel(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flywheel.gateway", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
 def test_serve_on_defaults_then_every_command_with_no_flags(tmp_path: Path) -> None:
     port = free_port()  # the only thing given: port 8000 may be taken on a shared machine
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], cwd=tmp_path,
+    gateway = subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "serve", "--port", str(port)], cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=(tmp_path / "serve.log").open("wb"),
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:

@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway.cli.demo import REPO
+from flywheel.gateway.cli.demo import REPO
 
 
 def test_the_demo_promotes_a_version_on_its_own(tmp_path: Path) -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "gateway", "demo", "--data-dir", str(tmp_path), "--minutes", "8", "--min-groups", "4",
+        [sys.executable, "-m", "flywheel.gateway",
+         "demo", "--data-dir", str(tmp_path), "--minutes", "8", "--min-groups", "4",
          "--canary-pairs", "20", "--promotions", "1"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert shown.returncode == 0, shown.stderr[-3000:]

@@ -102,7 +102,7 @@ def test_warm_start_writes_a_loadable_model_and_reuses_it(tiny_model: Path, tmp_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.warm_start import IGNORE, RECORD_FILE, encode_conversation, warm_start
+    from flywheel.trainer.warm_start import IGNORE, RECORD_FILE, encode_conversation, warm_start
 
     examples = task.warm_start_examples(16, seed=0)
     out = warm_start(tiny_model, tmp_path / "warm", examples, steps=3, batch_size=4, progress=False)

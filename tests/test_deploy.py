@@ -18,8 +18,8 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from gateway.cli import app
-from gateway.core.config import CLI_VARIABLES, Settings, load_settings
+from flywheel.gateway.cli import app
+from flywheel.gateway.core.config import CLI_VARIABLES, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -13,10 +13,10 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-import flywheel
 import pytest
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
 
+import flywheel
 from examples.codenames import zero_code as codenames_zero_code
 from examples.codenames.env import Scenario as Board
 from examples.codenames.env import Turn

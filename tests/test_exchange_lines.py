@@ -8,8 +8,13 @@ from typing import Any
 import orjson
 import pytest
 
-from capture.turns import CapturedExchange
-from gateway.serving.exchange_lines import OFF_LOOP_LINE_BYTES, dumps_in_pieces, estimated_bytes, line_in_pieces
+from flywheel.capture.turns import CapturedExchange
+from flywheel.gateway.serving.exchange_lines import (
+    OFF_LOOP_LINE_BYTES,
+    dumps_in_pieces,
+    estimated_bytes,
+    line_in_pieces,
+)
 
 
 def exchange(tokens: int, top: int, prompt: str = "hi") -> CapturedExchange:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from capture.store import Store
-from gateway.cli import app
-from gateway.storeproc import versions
+from flywheel.capture.store import Store
+from flywheel.gateway.cli import app
+from flywheel.gateway.storeproc import versions
 
 METRICS = {"reward/mean": 0.625, "loss": 0.0123, "steps": 4}
 GATE = {"offline": {"win_rate": 0.75, "contexts": 16, "passed": True}}

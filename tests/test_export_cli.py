@@ -23,9 +23,9 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from capture.trajectory import Trajectory
-from gateway.cli import app
-from gateway.core.processes import free_port
+from flywheel.capture.trajectory import Trajectory
+from flywheel.gateway.cli import app
+from flywheel.gateway.core.processes import free_port
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_stored_completions import gateway_config, scripted_reply
@@ -72,14 +72,15 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def flywheel(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m gateway trajectories ARGS``, stdin closed (no terminal to confirm on)."""
-    return subprocess.run([sys.executable, "-m", "gateway", "trajectories", *map(str, args)], capture_output=True,
+    """``python -m flywheel.gateway trajectories ARGS``, stdin closed (no terminal to confirm on)."""
+    return subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                           "trajectories", *map(str, args)], capture_output=True,
                           text=True, env=env or cli_env(), stdin=subprocess.DEVNULL, timeout=60, cwd=ROOT)
 
 
 def flywheel_all(*calls: tuple[list[str | Path], dict[str, str] | None]) -> list[subprocess.CompletedProcess[str]]:
     """Several CLI runs at once (each is mostly interpreter start-up)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "gateway", "trajectories", *map(str, args)], text=True,
+    procs = [subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "trajectories", *map(str, args)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                               env=env or cli_env(), cwd=ROOT) for args, env in calls]
     out = []

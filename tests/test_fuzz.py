@@ -30,12 +30,12 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from capture.redaction import Redactor
-from capture.turns import CapturedExchange, prepare_lines
-from gateway.core.config import Settings
-from gateway.core.openapi import openapi_document
-from gateway.serving.app import build_app
-from gateway.storeproc.routes import STORE_ROUTERS
+from flywheel.capture.redaction import Redactor
+from flywheel.capture.turns import CapturedExchange, prepare_lines
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.openapi import openapi_document
+from flywheel.gateway.serving.app import build_app
+from flywheel.gateway.storeproc.routes import STORE_ROUTERS
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 

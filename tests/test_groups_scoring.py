@@ -13,9 +13,9 @@ import openai
 import pytest
 from sqlmodel import select
 
-from capture.groups import training_group
-from capture.models import Group, Score
-from capture.store import Store
+from flywheel.capture.groups import training_group
+from flywheel.capture.models import Group, Score
+from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
@@ -168,7 +168,7 @@ def test_cli_groups_and_score_through_the_gateway_and_on_the_file(
                                        extra_headers={"X-Flywheel-Fork": "1"})
 
     def flywheel(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "gateway", *args, "--config", str(gateway.config_file)],
+        return subprocess.run([sys.executable, "-m", "flywheel.gateway", *args, "--config", str(gateway.config_file)],
                               capture_output=True, text=True, timeout=120)
 
     through_api = flywheel("groups", "--gateway", gateway.url, "--admin-key", "admin")

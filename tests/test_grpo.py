@@ -17,12 +17,12 @@ from typing import Any, cast
 
 import pytest
 
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.trainer import adapters
+from flywheel.trainer.grpo import CapturedRollout, GRPOArgs, RoundResult, plan_groups, train_round
+from flywheel.trainer.samples import Sample, SampleBatch
 from tests.conftest import WEATHER_TOOL, weather_followup
 from tests.test_samples import CALL_TEXT, TOOL_CALL_MESSAGE, group_of, prompt_ids, single_turn
-from trainer import adapters
-from trainer.grpo import CapturedRollout, GRPOArgs, RoundResult, plan_groups, train_round
-from trainer.samples import Sample, SampleBatch
 
 QUESTIONS = ["What is the weather?", "Tell me the weather."]
 ANSWERS = ["Paris is sunny.", "It rains in London.", "Tokyo is cloudy.", "Berlin has wind."]
@@ -181,8 +181,8 @@ def test_the_adapter_directory_is_complete_self_describing_and_vllm_loadable(tra
 
 
 async def test_the_adapter_loads_into_the_local_engine(trained: Trained, tmp_path: Path) -> None:
-    local = pytest.importorskip("gateway.serving.engines.local")
-    from gateway.core.config import LocalEngineConfig
+    local = pytest.importorskip("flywheel.gateway.serving.engines.local")
+    from flywheel.gateway.core.config import LocalEngineConfig
 
     assert trained.result.adapter_dir is not None
     engine = local.LocalEngine(LocalEngineConfig(model=str(trained.tiny)), tmp_path)
@@ -234,8 +234,8 @@ def test_nothing_trainable_skips_the_round_without_writing(tiny_model: Path, tmp
 
 
 def test_record_round_writes_the_training_run_and_adapter_version(trained: Trained, tmp_path: Path) -> None:
-    from capture.models import AdapterVersion, TrainingRun
-    from capture.store import Store
+    from flywheel.capture.models import AdapterVersion, TrainingRun
+    from flywheel.capture.store import Store
 
     store = Store(tmp_path / "store.duckdb")
     try:

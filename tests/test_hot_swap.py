@@ -17,8 +17,8 @@ import httpx
 import openai
 from sqlmodel import select
 
-from capture.models import Turn
-from capture.store import Store
+from flywheel.capture.models import Turn
+from flywheel.capture.store import Store
 from tests.conftest import ADAPTER_ANSWER, ADAPTER_QUESTION
 from tests.gateway_process import GatewayProcess
 from tests.waiting import wait_for

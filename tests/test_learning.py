@@ -65,8 +65,8 @@ def mean_reward(client: openai.OpenAI) -> float:
 
 
 def test_rounds_of_capture_score_train_raise_the_reward(tmp_path: Path, judge: ScriptedJudge) -> None:
+    from flywheel.trainer.tiny_model import build_tiny_model
     from tests.support import warm_start
-    from trainer.tiny_model import build_tiny_model
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
     gateway = GatewayProcess(tmp_path, f"""
@@ -102,7 +102,8 @@ seed = 0
             scored = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=120).json()
             assert scored["scored"] == 4, scored
             trained = subprocess.run(
-                [sys.executable, "-m", "gateway", "train", "--alias", "agent", "--config", str(gateway.config_file),
+                [sys.executable, "-m", "flywheel.gateway",
+                 "train", "--alias", "agent", "--config", str(gateway.config_file),
                  "--gateway", gateway.url, "--admin-key", "admin", "--promote"],
                 capture_output=True, text=True, timeout=600,
                 env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a crash (one SIGSEGV seen in CI) shows its stack

@@ -14,15 +14,15 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from capture import queries
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
-from capture.export import art_trajectories, openai_examples
-from capture.groups import branch_messages, branch_turns
-from capture.history import branch_conversation, history_edits
-from capture.models import Trajectory, Turn
-from capture.store import Store
-from capture.turns import CapturedExchange, PreparedTurn, prepare_turns
-from trainer.samples import build_samples
+from flywheel.capture import queries
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.capture.export import art_trajectories, openai_examples
+from flywheel.capture.groups import branch_messages, branch_turns
+from flywheel.capture.history import branch_conversation, history_edits
+from flywheel.capture.models import Trajectory, Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, PreparedTurn, prepare_turns
+from flywheel.trainer.samples import build_samples
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 SYSTEM = {"role": "system", "content": "You plan trips."}

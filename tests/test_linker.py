@@ -18,9 +18,9 @@ import pytest
 from sqlalchemy import text
 from sqlmodel import col, select
 
-from capture.models import Trajectory, Turn
-from capture.store import Store
-from capture.turns import CapturedExchange, prepare_turns
+from flywheel.capture.models import Trajectory, Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, prepare_turns
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
@@ -109,7 +109,7 @@ def test_a_popular_answer_links_by_what_it_replied_to_and_is_refused_alone_witho
     """"OK" given by more stored turns than TAIL_CANDIDATES: a conversation whose system prompt changed still
     continues the one turn that said "OK" to the same message; "OK" after a message no such turn replied to is
     ambiguous, refused, and the lookup reads none of the turns that said it."""
-    from capture.linker import TAIL_CANDIDATES, TrajectoryLinker
+    from flywheel.capture.linker import TAIL_CANDIDATES, TrajectoryLinker
 
     many = TAIL_CANDIDATES + 8
     write(store, *(exchange(i, [{"role": "system", "content": "at 10:00"}, {"role": "user", "content": f"task {i}"}],

@@ -33,10 +33,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlmodel import select
 
-from capture.canonical import message_hash
-from capture.models import Turn
-from capture.store import Store
-from capture.turns import CapturedExchange, prepare_turns
+from flywheel.capture.canonical import message_hash
+from flywheel.capture.models import Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, prepare_turns
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 SYSTEMS = ["You are a travel agent.", "You are a cook."]

@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from gateway.core.processes import free_port
+from flywheel.gateway.core.processes import free_port
 from tests.colour_task import ANSWERS, PROMPT
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
@@ -100,8 +100,8 @@ def versions(gateway: GatewayProcess) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_dead_training_child_and_a_stop_mid_round_lose_no_group_and_train_none_twice(tmp_path: Path) -> None:
+    from flywheel.trainer.tiny_model import build_tiny_model
     from tests.support import warm_start
-    from trainer.tiny_model import build_tiny_model
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
     gateway = GatewayProcess(tmp_path, f"""

@@ -34,8 +34,8 @@ def status(gateway: GatewayProcess) -> dict[str, Any]:
 
 
 def test_traffic_with_feedback_is_trained_gated_and_promoted_by_the_loop(tmp_path: Path) -> None:
+    from flywheel.trainer.tiny_model import build_tiny_model
     from tests.support import warm_start
-    from trainer.tiny_model import build_tiny_model
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
     gateway = GatewayProcess(tmp_path, f"""
@@ -100,7 +100,8 @@ max_pairs = 400
             assert job in final["jobs"], (job, final["jobs"].keys())
         rewards = final["reward_by_version"]["versions"]
         assert rewards[str(n)]["mean"] > rewards["0"]["mean"], rewards
-        shown = subprocess.run([sys.executable, "-m", "gateway", "status", "--data-dir", str(gateway.dir / "data")],
+        shown = subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                                "status", "--data-dir", str(gateway.dir / "data")],
                                capture_output=True, text=True, timeout=120)  # found through gateway.json
         assert shown.returncode == 0, shown.stderr
         assert f"agent serves version {n}" in shown.stdout and "reward per version" in shown.stdout

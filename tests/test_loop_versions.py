@@ -20,7 +20,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from gateway.cli import app as cli
+from flywheel.gateway.cli import app as cli
 from tests.gateway_process import GatewayProcess
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for

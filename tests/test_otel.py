@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.core.processes import free_port
-from gateway.storeproc.traced_store import unix_ns
+from flywheel.gateway.core.processes import free_port
+from flywheel.gateway.storeproc.traced_store import unix_ns
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI
 from tests.waiting import wait_for

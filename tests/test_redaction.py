@@ -15,9 +15,9 @@ from pathlib import Path
 
 import orjson
 
-from capture.recorder import Spool
-from capture.redaction import BUILTIN_RULES, RedactingFilter, Redactor, _luhn_ok
-from capture.turns import CapturedExchange, prepare_lines, prepare_turns
+from flywheel.capture.recorder import Spool
+from flywheel.capture.redaction import BUILTIN_RULES, RedactingFilter, Redactor, _luhn_ok
+from flywheel.capture.turns import CapturedExchange, prepare_lines, prepare_turns
 
 # The definitions, as docs/capture.md writes them, in the order they apply.
 PLAIN = {

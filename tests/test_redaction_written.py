@@ -18,7 +18,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from capture.store import Store
+from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 

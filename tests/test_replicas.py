@@ -19,9 +19,9 @@ import openai
 import pytest
 from sqlmodel import col, select
 
-from capture.models import Trajectory, Turn
-from capture.store import Store
-from capture.turns import CapturedExchange, prepare_turns
+from flywheel.capture.models import Trajectory, Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, prepare_turns
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-import judge
-from capture.models import Score
-from capture.trajectory import Trajectory, TrajectoryGroup
-from judge import (
+from flywheel import judge
+from flywheel.capture.models import Score
+from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
+from flywheel.judge import (
     DEFAULT_RUBRIC,
     JudgeCache,
     JudgeCallError,
@@ -33,7 +33,7 @@ from judge import (
     ScoreRangeError,
     TrajectoryIdError,
 )
-from judge.ruler import parse_answer
+from flywheel.judge.ruler import parse_answer
 from tests.scripted_judge import ScriptedJudge
 
 MODEL = "openai/scripted-judge"

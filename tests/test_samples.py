@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.trainer.samples import ADVANTAGE_EPS, build_samples, group_advantages, offpolicy_params
 from tests.conftest import WEATHER_ANSWER, WEATHER_QUESTION, WEATHER_TOOL, weather_followup
-from trainer.samples import ADVANTAGE_EPS, build_samples, group_advantages, offpolicy_params
 
 CALL_ARGS = '{"city": "Paris"}'
 TOOL_CALL_MESSAGE: dict[str, Any] = {
@@ -243,9 +243,9 @@ def test_turns_sampled_with_other_parameters_lose_their_behaviour_logprobs_and_a
 
 
 def test_the_stored_sampling_parameters_reach_the_trainer(tmp_path: Path) -> None:
-    from capture.groups import training_group
-    from capture.models import Group, GroupMember, Score, Trajectory, Turn
-    from capture.store import Store
+    from flywheel.capture.groups import training_group
+    from flywheel.capture.models import Group, GroupMember, Score, Trajectory, Turn
+    from flywheel.capture.store import Store
 
     store = Store(tmp_path / "store.duckdb")
     try:

@@ -10,10 +10,11 @@ import subprocess
 import sys
 from typing import Any
 
-import flywheel
 import pytest
-from flywheel.trajectories import PendingGroup
 from openai.types.chat.chat_completion import Choice
+
+import flywheel
+from flywheel.trajectories import PendingGroup
 
 
 def test_headers_names_only_what_is_given() -> None:

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import flywheel
-import flywheel as art
 import httpx
 import openai
 import pytest
-from flywheel.rewards import ruler_score_group
 
-from gateway.core.processes import free_port
-from judge import JudgeCallError
+import flywheel
+import flywheel as art
+from flywheel.gateway.core.processes import free_port
+from flywheel.judge import JudgeCallError
+from flywheel.rewards import ruler_score_group
 from tests.conftest import ADMIN_KEY, CLIENT_KEY
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import flywheel
 import pytest
+
+import flywheel
 from flywheel.local import LocalBackend
 
 

@@ -11,8 +11,8 @@ HEAVY = ["torch", "transformers", "trl", "peft", "duckdb", "duckdb_engine", "lit
 
 PROBE = f"""
 import json, sys
-from gateway.serving.app import build_app
-from gateway.core.config import Settings
+from flywheel.gateway.serving.app import build_app
+from flywheel.gateway.core.config import Settings
 
 settings = Settings(engines={{"up": {{"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}}}},
                     aliases={{"agent": {{"engine": "up", "base_model": "m"}}}})

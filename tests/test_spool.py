@@ -6,8 +6,8 @@ import multiprocessing
 from datetime import UTC, datetime
 from pathlib import Path
 
-from capture.recorder import Spool
-from capture.turns import PreparedTurn
+from flywheel.capture.recorder import Spool
+from flywheel.capture.turns import PreparedTurn
 
 
 def turn(writer: int, i: int) -> PreparedTurn:

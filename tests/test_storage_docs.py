@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from sqlmodel import SQLModel
 
-import capture.models
-from capture.models import SCHEMA_VERSION
-from gateway.cli.trajectories import trajectories_app
+import flywheel.capture.models
+from flywheel.capture.models import SCHEMA_VERSION
+from flywheel.gateway.cli.trajectories import trajectories_app
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "storage.md"
 _HEADING = re.compile(r"^### (\S+)\s*$")
@@ -44,7 +44,7 @@ def documented_tables(text: str) -> dict[str, list[str]]:
 
 
 def store_tables() -> dict[str, list[str]]:
-    assert capture.models  # imported for its tables
+    assert flywheel.capture.models  # imported for its tables
     return {name: [c.name for c in table.columns] for name, table in SQLModel.metadata.tables.items()}
 
 

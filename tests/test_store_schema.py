@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import Column, MetaData, Table, UniqueConstraint, create_engine
 from sqlmodel import SQLModel, select
 
-from capture.assembler import StreamAssembler
-from capture.canonical import prefix_hashes
-from capture.models import SCHEMA_VERSION, AdapterVersion, EvalMetric, JobRun, SchemaMeta, Turn
-from capture.store import SchemaError, Store
-from capture.turns import CapturedExchange, prepare_turns
+from flywheel.capture.assembler import StreamAssembler
+from flywheel.capture.canonical import prefix_hashes
+from flywheel.capture.models import SCHEMA_VERSION, AdapterVersion, EvalMetric, JobRun, SchemaMeta, Turn
+from flywheel.capture.store import SchemaError, Store
+from flywheel.capture.turns import CapturedExchange, prepare_turns
 
 
 def test_new_store_records_its_schema_version(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ import openai
 import pytest
 from sqlmodel import select
 
-from capture.groups import training_group
-from capture.models import Group, GroupMember, Score
-from capture.store import Store
+from flywheel.capture.groups import training_group
+from flywheel.capture.models import Group, GroupMember, Score
+from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI

@@ -29,8 +29,8 @@ import httpx
 import openai
 import pytest
 
-from capture.history import branch_conversation
-from capture.models import Turn
+from flywheel.capture.history import branch_conversation
+from flywheel.capture.models import Turn
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 from tests.test_stored_completions import gateway_config

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from flywheel.trainer.tiny_model import TOOL_TOKENS, build_tiny_model, build_tokenizer, ensure_tiny_model
 from tests.support import WEATHER_TOOLS, tiny_dir
-from trainer.tiny_model import TOOL_TOKENS, build_tiny_model, build_tokenizer, ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

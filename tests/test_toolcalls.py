@@ -9,9 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.core.config import LocalEngineConfig
-from gateway.serving.engines.local import LocalEngine
-from gateway.serving.engines.local.toolcalls import parse_tool_calls, partial_marker_start, tool_call_hold_start
+from flywheel.gateway.core.config import LocalEngineConfig
+from flywheel.gateway.serving.engines.local import LocalEngine
+from flywheel.gateway.serving.engines.local.toolcalls import (
+    parse_tool_calls,
+    partial_marker_start,
+    tool_call_hold_start,
+)
 from tests.support import WEATHER_CALL, WEATHER_CALL_TEXT, WEATHER_MESSAGES, WEATHER_TOOLS, tool_model
 
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")

@@ -24,11 +24,11 @@ import httpx
 import openai
 import pytest
 
+from flywheel.trainer import adapters
 from tests.gateway_process import GatewayProcess
 from tests.test_loop_versions import ADMIN, admin, status
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for
-from trainer import adapters
 
 
 @pytest.fixture
@@ -40,7 +40,8 @@ def vllm() -> Iterator[VllmStandIn]:
 def worker(gateway: GatewayProcess, *args: str) -> tuple[dict[str, Any], str]:
     """One ``flywheel train`` run as a worker on another machine would: the admin API only. Its last line (JSON),
     and all it printed."""
-    done = subprocess.run([sys.executable, "-m", "gateway", "train", "--alias", "agent", "--gateway", gateway.url,
+    done = subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                           "train", "--alias", "agent", "--gateway", gateway.url,
                            "--json", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "FLYWHEEL_ADMIN_KEY": "admin"}, cwd=gateway.dir)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -108,7 +109,7 @@ def test_a_worker_trains_only_when_the_loop_would_and_the_gate_takes_its_round(t
         # The round as on a multi-GPU box, through accelerate's launcher (one CPU process here): the same code.
         accelerate = Path(sys.executable).parent / "accelerate"
         round_, printed = worker(gateway, "--launch", f"{accelerate} launch --num_processes 1 --cpu")
-        assert '"seconds":' in printed  # python -m trainer.grpo's own summary: the round ran in the launched process
+        assert '"seconds":' in printed  # flywheel.trainer.grpo's own summary: the round ran in the launched process
         assert (round_["status"], round_["version"], round_["groups"]) == ("finished", 1, 2), round_
         assert (Path(round_["adapter_path"]) / "adapter_config.json").is_file()
         # The loop's gate (offline and canary off here) promotes what the worker reported; the engine loads it.
@@ -129,7 +130,8 @@ def trainer_worker(gateway: GatewayProcess, workdir: Path, base_model: Path) -> 
     reached over HTTP only."""
     workdir.mkdir(parents=True)
     shutil.copytree(base_model, workdir / "base")
-    return subprocess.Popen([sys.executable, "-m", "gateway", "trainer", "--gateway", gateway.url, "--admin-key",
+    return subprocess.Popen([sys.executable, "-m", "flywheel.gateway",
+                             "trainer", "--gateway", gateway.url, "--admin-key",
                              "admin", "--workdir", str(workdir / "scratch"), "--base-model", str(workdir / "base"),
                              "--poll-s", "0.3"], cwd=workdir, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
@@ -220,10 +222,11 @@ def test_the_upload_route_takes_a_reserved_version_s_archive_and_nothing_else(tm
 
 def test_flywheel_trainer_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, vllm: VllmStandIn,
                                                                   tiny_model: Path) -> None:
-    from gateway.core.processes import free_port
+    from flywheel.gateway.core.processes import free_port
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "gateway", "trainer", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "flywheel.gateway",
+                               "trainer", *args], capture_output=True, text=True,
                               timeout=120, cwd=tmp_path)
 
     nobody = run("--gateway", f"http://127.0.0.1:{free_port()}", "--once")

@@ -18,12 +18,12 @@ import httpx
 import openai
 import pytest
 
-from capture import queries
-from capture.export import art_trajectories, export_parquet, openai_examples
-from capture.models import Feedback, Group, GroupMember, Score, Trajectory, Turn
-from capture.queries import TrajectoryFilter
-from capture.store import Store
-from capture.trajectory import Trajectory as ArtTrajectory
+from flywheel.capture import queries
+from flywheel.capture.export import art_trajectories, export_parquet, openai_examples
+from flywheel.capture.models import Feedback, Group, GroupMember, Score, Trajectory, Turn
+from flywheel.capture.queries import TrajectoryFilter
+from flywheel.capture.store import Store
+from flywheel.capture.trajectory import Trajectory as ArtTrajectory
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_errors import assert_openai_error

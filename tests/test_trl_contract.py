@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from trainer.grpo import CapturedRollout, captured_trainer_class, passthrough_reward, plan_groups
-from trainer.samples import Sample, SampleBatch
+from flywheel.trainer.grpo import CapturedRollout, captured_trainer_class, passthrough_reward, plan_groups
+from flywheel.trainer.samples import Sample, SampleBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGED = "TRL changed what trainer/grpo.py's CapturedGRPOTrainer relies on: "

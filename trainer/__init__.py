@@ -8,8 +8,8 @@ runs (``train_round``) or the tiny model is built.
 
 from typing import TYPE_CHECKING, Any
 
-from trainer import adapters
-from trainer.samples import (
+from flywheel.trainer import adapters
+from flywheel.trainer.samples import (
     AdvantageScale,
     Sample,
     SampleBatch,
@@ -23,7 +23,7 @@ from trainer.samples import (
 )
 
 if TYPE_CHECKING:
-    from trainer.grpo import (
+    from flywheel.trainer.grpo import (
         CapturedRollout,
         GroupPlan,
         GRPOArgs,
@@ -37,9 +37,9 @@ _GRPO = {"CapturedRollout", "GroupPlan", "GRPOArgs", "RoundResult", "passthrough
 
 
 def __getattr__(name: str) -> Any:
-    # trainer.grpo on first use: `python -m trainer.grpo` must not find it imported by the package already.
+    # flywheel.trainer.grpo on first use: `python -m flywheel.trainer.grpo` must not find it imported already.
     if name in _GRPO:
-        from trainer import grpo
+        from flywheel.trainer import grpo
 
         return getattr(grpo, name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -36,8 +36,8 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sqlmodel import Session
 
-    from capture.models import AdapterVersion, TrainingRun
-    from trainer.grpo import RoundResult
+    from flywheel.capture.models import AdapterVersion, TrainingRun
+    from flywheel.trainer.grpo import RoundResult
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -209,8 +209,8 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
     """
     from sqlmodel import select
 
-    from capture.models import AdapterVersion, TrainingRun
-    from capture.turns import new_id
+    from flywheel.capture.models import AdapterVersion, TrainingRun
+    from flywheel.capture.turns import new_id
 
     run = session.get(TrainingRun, run_id) if run_id else None
     if run is None:
@@ -245,8 +245,8 @@ def record_failure(session: Session, *, alias: str, error: str, run_id: str | No
                    config: dict[str, Any] | None = None, group_ids: list[str] | None = None,
                    commit: bool = True) -> TrainingRun:
     """Mark a run ``failed`` with its error (creating the row if ``run_id`` is unknown)."""
-    from capture.models import TrainingRun, utcnow
-    from capture.turns import new_id
+    from flywheel.capture.models import TrainingRun, utcnow
+    from flywheel.capture.turns import new_id
 
     run = session.get(TrainingRun, run_id) if run_id else None
     if run is None:

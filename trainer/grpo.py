@@ -1,23 +1,23 @@
 """GRPO on captured trajectory groups: TRL's GRPOTrainer, fed from the store instead of generating.
 
     # one round on groups exported as JSON lines (TrainingGroup.to_json), tiny model, CPU:
-    python -m trainer.grpo --base ~/.flywheel/models/tiny --groups groups.jsonl --out /tmp/adapter --tiny
+    python -m flywheel.trainer.grpo --base ~/.flywheel/models/tiny --groups groups.jsonl --out /tmp/adapter --tiny
     # a real model on one GPU (bf16 picked automatically), continuing from the alias's adapter:
-    python -m trainer.grpo --base Qwen/Qwen2.5-7B-Instruct --groups groups.jsonl --out data/adapters/a/8 \\
+    python -m flywheel.trainer.grpo --base Qwen/Qwen2.5-7B-Instruct --groups groups.jsonl --out data/adapters/a/8 \\
         --init-adapter data/adapters/a/7 --optimizer-state data/adapters/a/7/optimizer.pt
     # several GPUs: the same through accelerate
-    accelerate launch -m trainer.grpo --base ... --groups ... --out ...
+    accelerate launch -m flywheel.trainer.grpo --base ... --groups ... --out ...
 
 The math, top to bottom (what one round does; TRL's ``_compute_loss`` does steps 3-6, and
 ``trainer/grpo_loss.py`` writes them out, tested equal to TRL's loss and gradients):
 
 1. rewards ``r_i`` of the G attempts of a group (the judge's or the client's), captured;
-2. group-relative advantages ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` (``trainer.samples``;
+2. group-relative advantages ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` (``flywheel.trainer.samples``;
    groups with equal rewards are skipped);
 3. ``logratio = log pi_theta(o_t) - log pi_behaviour(o_t)`` on every token the model sampled
    (``env_mask`` = 1), where ``pi_behaviour`` is the logprob the engine reported when it sampled
    the token if it was sampled as the trainer computes it (at ``args.temperature``, top_p 1, no
-   top_k, penalties or grammar: ``trainer.samples.offpolicy_params``), else, or where unknown, the
+   top_k, penalties or grammar: ``flywheel.trainer.samples.offpolicy_params``), else, or where unknown, the
    policy's own logprob at the start of the step (ratio 1);
    ``ratio = exp(logratio)`` per token, or ``exp`` of its masked mean per sequence (GSPO,
    ``importance_sampling_level="sequence"``);
@@ -53,10 +53,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from capture.batches import TrainingGroup
-from trainer import adapters
-from trainer.grpo_loss import LOSS_TYPES, LossType, approx_kl
-from trainer.samples import AdvantageScale, Sample, SampleBatch, Skipped, Truncation, build_samples
+from flywheel.capture.batches import TrainingGroup
+from flywheel.trainer import adapters
+from flywheel.trainer.grpo_loss import LOSS_TYPES, LossType, approx_kl
+from flywheel.trainer.samples import AdvantageScale, Sample, SampleBatch, Skipped, Truncation, build_samples
 
 
 @dataclass
@@ -724,10 +724,10 @@ def _parse_field(annotation: str, raw: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m trainer.grpo``: one round on groups read from a JSON-lines file (see module docstring)."""
+    """``python -m flywheel.trainer.grpo``: one round on groups read from a JSON-lines file (see module docstring)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.grpo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flywheel.trainer.grpo", description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="base model directory or Hugging Face id (from the cache)")
     parser.add_argument("--groups", required=True, help="JSON lines, one TrainingGroup.to_json() per line")
     parser.add_argument("--out", required=True, help="adapter directory to write (absent or empty)")

@@ -9,7 +9,7 @@ sequences, T completion tokens; ``b_mask`` is 1 on the tokens the model sampled 
 
 1. **Advantages** (Shao et al. 2024, DeepSeekMath §4.1.2): every attempt i of a group gets
    ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, the same for all its tokens. They are computed
-   before training, over each whole captured group: ``trainer.samples.group_advantages``.
+   before training, over each whole captured group: ``flywheel.trainer.samples.group_advantages``.
 2. **Ratio** of the policy being trained to the one that sampled, per token:
    ``logratio = log pi_theta - log pi_old``, ``ratio = exp(logratio)``; GSPO takes one ratio per
    sequence, ``exp(mean_t logratio)``.

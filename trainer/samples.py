@@ -1,6 +1,6 @@
 """Captured groups -> training samples: token ids, sampled-token masks, behaviour logprobs, advantages.
 
-    from trainer.samples import build_samples
+    from flywheel.trainer.samples import build_samples
     batch = build_samples(groups, tokenizer, max_prompt_tokens=4096, max_completion_tokens=2048)
     batch.samples[0].completion_ids, batch.samples[0].env_mask, batch.skip_counts()
 
@@ -71,7 +71,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from capture.batches import BranchTurn, GroupMember, TrainingGroup
+from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
 
 Truncation = Literal["left", "drop"]
 AdvantageScale = Literal["group", "batch", "none"]

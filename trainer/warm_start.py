@@ -1,6 +1,6 @@
 """A short supervised warm start: teach a random model a task's format (not the task) before RL.
 
-    from trainer.warm_start import warm_start
+    from flywheel.trainer.warm_start import warm_start
     from examples.demo.task import warm_start_examples
     model_dir = warm_start(tiny_dir, data_dir / "models" / "demo-warm", warm_start_examples(512, seed=0))
 

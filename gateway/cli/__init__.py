@@ -1,5 +1,5 @@
-"""The ``flywheel`` command (``gateway.cli.main``), one module per group of commands."""
+"""The ``flywheel`` command (``flywheel.gateway.cli.main``), one module per group of commands."""
 
-from gateway.cli.main import app, main
+from flywheel.gateway.cli.main import app, main
 
 __all__ = ["app", "main"]

@@ -21,12 +21,12 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-import flywheel
 import typer
-from flywheel.rewards import ruler_score_group
 from rich.console import Console
 
-from gateway.cli.common import AdminKeyOption, ConfigOption, GatewayOption, Target, fail, locate
+import flywheel
+from flywheel.gateway.cli.common import AdminKeyOption, ConfigOption, GatewayOption, Target, fail, locate
+from flywheel.rewards import ruler_score_group
 
 Agent = Callable[[flywheel.Model, str], Awaitable[flywheel.Trajectory]]
 
@@ -57,7 +57,7 @@ def parse_inputs(content: str | None) -> list[str]:
 async def generate_inputs(task: str, count: int, model: str, litellm_params: dict[str, Any],
                           attempts: int = 3) -> list[str]:
     """``count`` distinct inputs from the generator model (asking again, up to ``attempts`` times, for the rest)."""
-    from judge.ruler import _litellm
+    from flywheel.judge.ruler import _litellm
 
     litellm = _litellm()  # the judge's one way to load litellm (offline cost map, no banners)
     inputs: list[str] = []

@@ -22,11 +22,11 @@ import httpx
 import typer
 from pydantic import ValidationError
 
-from gateway.core.config import Settings, load_settings
-from gateway.core.discovery import announced_url, local_url
+from flywheel.gateway.core.config import Settings, load_settings
+from flywheel.gateway.core.discovery import announced_url, local_url
 
 if TYPE_CHECKING:
-    from capture.store import Store
+    from flywheel.capture.store import Store
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
 GatewayOption = Annotated[str | None, typer.Option(
@@ -124,7 +124,7 @@ def _answers(url: str) -> bool:
 
 
 def open_store(database: str) -> Store:
-    from capture.store import SchemaError, Store, database_url, printable_url
+    from flywheel.capture.store import SchemaError, Store, database_url, printable_url
 
     url = database_url(database)
     if url.startswith("duckdb:///") and not Path(url.removeprefix("duckdb:///")).is_file():

@@ -46,8 +46,8 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from gateway.cli.common import fail
-from gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.cli.common import fail
+from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
@@ -128,7 +128,7 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)}
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
+    gateway = subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config), "--port",
                                 str(port)], stdout=subprocess.DEVNULL, stderr=(demo_dir / "gateway.log").open("wb"),
                                env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -171,8 +171,8 @@ def _model(data_dir: Path, model: Path | None, console: Console) -> Path:
         return model.resolve()
     sys.path.insert(0, str(REPO))  # examples/ is not an installed package
     from examples.demo import task
-    from trainer.tiny_model import ensure_tiny_model
-    from trainer.warm_start import warm_start
+    from flywheel.trainer.tiny_model import ensure_tiny_model
+    from flywheel.trainer.warm_start import warm_start
 
     tiny = ensure_tiny_model(data_dir / "models" / "tiny")
     out = data_dir / "models" / "demo-warm-start"
@@ -320,7 +320,7 @@ def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, A
     the difference, its 95% interval, the one-sided p-value of "no better"), and the loop's own
     anytime-valid sequential test on the same episodes paired in order (more conservative).
     """
-    from gateway.serving.loop.abtest import SequentialTest
+    from flywheel.gateway.serving.loop.abtest import SequentialTest
 
     ours = [r["reward"] for r in rewards if r["version"] == serving]
     theirs = [r["reward"] for r in rewards if r["version"] == 0]

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
-from gateway.cli.common import (
+from flywheel.gateway.cli.common import (
     AdminKeyOption,
     ConfigOption,
     DatabaseOption,
@@ -75,7 +75,7 @@ def export_adapter(
 
 def _readable_adapter(location: Location, alias: str, row: dict[str, Any], scratch: Path) -> Path:
     """The version's directory when this machine sees it, else its files downloaded from the gateway."""
-    from gateway.training.rounds import AdminApi, RoundError
+    from flywheel.gateway.training.rounds import AdminApi, RoundError
 
     adapter = Path(row["path"])
     if (adapter / "adapter_config.json").is_file():
@@ -96,7 +96,7 @@ def _version_rows(location: Location, alias: str) -> tuple[list[dict[str, Any]],
         status = admin_call(location, "GET", "/flywheel/v1/status")["aliases"]
         entry: dict[str, Any] = next((e for e in status if e["alias"] == alias), {})
         return rows, entry.get("reward_by_version") or {}
-    from gateway.storeproc import store_ops
+    from flywheel.gateway.storeproc import store_ops
 
     store = open_store(location.database or location.settings.database)
     try:

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gateway.cli.common import (
+from flywheel.gateway.cli.common import (
     AdminKeyOption,
     AliasOption,
     ConfigOption,
@@ -32,7 +32,7 @@ from gateway.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from gateway.training.rounds import RoundOutcome
+    from flywheel.gateway.training.rounds import RoundOutcome
 
 
 def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key: AdminKeyOption = None,
@@ -41,7 +41,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
 
     Example: flywheel groups
     """
-    from gateway.storeproc.store_ops import run_group_formation
+    from flywheel.gateway.storeproc.store_ops import run_group_formation
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     if location.url is not None:
@@ -82,7 +82,7 @@ def score(config: ConfigOption = None, gateway: GatewayOption = None, admin_key:
 def _score_file(location: Location, alias: str | None, limit: int | None) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from judge.scoring import pending_groups, score_pending
+    from flywheel.judge.scoring import pending_groups, score_pending
 
     settings = location.settings
     store = open_store(location.database or settings.database)
@@ -130,7 +130,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
 
     Example: flywheel train --alias my-agent --max-groups 32 --promote
     """
-    from gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round
+    from flywheel.gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings
@@ -188,7 +188,7 @@ def field_values(pairs: list[str]) -> dict[str, Any]:
     import json
     from dataclasses import fields
 
-    from trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo import GRPOArgs
 
     known = {f.name for f in fields(GRPOArgs)}
     values: dict[str, Any] = {}

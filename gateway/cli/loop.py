@@ -23,7 +23,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gateway.cli.common import (
+from flywheel.gateway.cli.common import (
     AdminKeyOption,
     ConfigOption,
     DatabaseOption,
@@ -36,7 +36,7 @@ from gateway.cli.common import (
     locate,
     open_store,
 )
-from gateway.core.config import MAX_VERSION
+from flywheel.gateway.core.config import MAX_VERSION
 
 AliasArg = Annotated[str | None, typer.Option("--alias", help="The alias (default: the only one, or the first).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
@@ -66,8 +66,8 @@ def _reward(cell: dict[str, Any] | None) -> str:
 
 def _offline_status(location: Location) -> dict[str, Any]:
     """``/flywheel/v1/status`` computed on the store file: what a stopped gateway would report."""
-    from gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS
-    from gateway.storeproc import store_ops
+    from flywheel.gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS
+    from flywheel.gateway.storeproc import store_ops
 
     settings = location.settings
     store = open_store(location.database or settings.database)
@@ -156,7 +156,7 @@ def versions(config: ConfigOption = None, gateway: GatewayOption = None, admin_k
     if location.url is not None:
         rows = admin_call(location, "GET", f"/flywheel/v1/aliases/{name}/versions")["data"]
     else:
-        from gateway.storeproc import store_ops
+        from flywheel.gateway.storeproc import store_ops
 
         store = open_store(location.database or location.settings.database)
         try:

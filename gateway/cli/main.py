@@ -16,11 +16,11 @@ from typing import Annotated
 import httpx
 import typer
 
-from gateway.cli import autorl, demo, export_adapter, jobs, loop, worker
-from gateway.cli.common import ConfigOption, fail, settings_or_exit
-from gateway.cli.preflight import PreflightError, preflight
-from gateway.cli.trajectories import trajectories_app
-from gateway.core.log_setup import configure_logging
+from flywheel.gateway.cli import autorl, demo, export_adapter, jobs, loop, worker
+from flywheel.gateway.cli.common import ConfigOption, fail, settings_or_exit
+from flywheel.gateway.cli.preflight import PreflightError, preflight
+from flywheel.gateway.cli.trajectories import trajectories_app
+from flywheel.gateway.core.log_setup import configure_logging
 
 app = typer.Typer(help="Flywheel: an OpenAI-compatible gateway that learns from its own traffic.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -54,7 +54,7 @@ def serve(config: ConfigOption = None,
     """
     import uvicorn
 
-    from gateway.serving.app import build_app
+    from flywheel.gateway.serving.app import build_app
 
     settings = settings_or_exit(config, host=host, port=port, data_dir=data_dir)
     try:
@@ -73,7 +73,7 @@ def tiny_model(path: Annotated[Path, typer.Argument(help="Directory to write the
 
     Example: flywheel tiny-model ./tiny --seed 0
     """
-    from trainer.tiny_model import build_tiny_model
+    from flywheel.trainer.tiny_model import build_tiny_model
 
     out = build_tiny_model(path, seed=seed)
     typer.echo(f"tiny model written to {out}")

@@ -26,7 +26,13 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr
 
-from gateway.core.config import CLI_ADMIN_KEY_VARIABLE, TINY_MODEL, LocalEngineConfig, OpenAIEngineConfig, Settings
+from flywheel.gateway.core.config import (
+    CLI_ADMIN_KEY_VARIABLE,
+    TINY_MODEL,
+    LocalEngineConfig,
+    OpenAIEngineConfig,
+    Settings,
+)
 
 
 class PreflightError(RuntimeError):

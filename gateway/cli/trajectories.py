@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gateway.cli.common import (
+from flywheel.gateway.cli.common import (
     AdminKeyOption,
     AliasOption,
     ConfigOption,
@@ -47,8 +47,8 @@ from gateway.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from capture.export import ParquetExport
-    from capture.store import Store
+    from flywheel.capture.export import ParquetExport
+    from flywheel.capture.store import Store
 
 trajectories_app = typer.Typer(help="List, show, export and delete captured trajectories.", no_args_is_help=True)
 
@@ -132,8 +132,8 @@ class ApiBackend:
     def parquet(self, out_dir: Path, filters: dict[str, str], ids: list[str], progress: Progress) -> ParquetExport:
         """The gateway holds the file: fetch the rows, load them into a scratch DuckDB file, COPY from there
         (the same schema, so the Parquet files match a direct export)."""
-        from capture.export import export_parquet, load_details
-        from capture.store import Store
+        from flywheel.capture.export import export_parquet, load_details
+        from flywheel.capture.store import Store
 
         task = progress.add_task("fetching", total=len(ids))
         with tempfile.TemporaryDirectory(prefix="flywheel-export-") as scratch:
@@ -154,12 +154,12 @@ class StoreBackend:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        from capture.store import printable_url
+        from flywheel.capture.store import printable_url
 
         self.where = printable_url(store.url)
 
     def page(self, filters: dict[str, str], *, limit: int, after: str | None, order: str) -> dict[str, Any]:
-        from capture import queries
+        from flywheel.capture import queries
 
         with _query_errors():
             flt = queries.TrajectoryFilter.from_query(filters)
@@ -167,12 +167,12 @@ class StoreBackend:
             return queries.list_trajectories(self.store, flt, limit=limit, after=after, order=order_).to_json()
 
     def detail(self, trajectory_id: str) -> dict[str, Any] | None:
-        from capture import queries
+        from flywheel.capture import queries
 
         return queries.trajectory_detail(self.store, trajectory_id)
 
     def delete(self, trajectory_id: str) -> dict[str, Any] | None:
-        from capture import queries
+        from flywheel.capture import queries
 
         counts = queries.delete_trajectory(self.store, trajectory_id)
         if counts is None:
@@ -180,15 +180,15 @@ class StoreBackend:
         return {"object": "trajectory.deleted", "id": trajectory_id, "deleted": True, "rows": counts.to_json()}
 
     def delete_client(self, client_key_id: str) -> dict[str, Any]:
-        from capture import queries
+        from flywheel.capture import queries
 
         counts = queries.delete_client_data(self.store, client_key_id)
         return {"object": "client_key.deleted", "client_key_id": client_key_id, "deleted": True,
                 "rows": counts.to_json()}
 
     def parquet(self, out_dir: Path, filters: dict[str, str], ids: list[str], progress: Progress) -> ParquetExport:
-        from capture import queries
-        from capture.export import ExportError, export_parquet
+        from flywheel.capture import queries
+        from flywheel.capture.export import ExportError, export_parquet
 
         task = progress.add_task("copying", total=len(ids))
         with _query_errors():
@@ -203,7 +203,7 @@ class StoreBackend:
 
 @contextmanager
 def _query_errors() -> Iterator[None]:
-    from capture.queries import QueryError
+    from flywheel.capture.queries import QueryError
 
     try:
         yield
@@ -359,7 +359,7 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
 
     Example: flywheel trajectories export --format openai --out train.jsonl --status closed --has-reward
     """
-    from capture.export import FORMATS, ExportError, check_destination
+    from flywheel.capture.export import FORMATS, ExportError, check_destination
 
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -386,7 +386,7 @@ def export_command(out: Annotated[Path, typer.Option("--out", "-o", help="File (
 
 
 def _write_jsonl(backend: Backend, ids: list[str], out: Path, fmt: str, progress: Progress) -> int:
-    from capture.export import jsonl, records
+    from flywheel.capture.export import jsonl, records
 
     task = progress.add_task("exporting", total=len(ids))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.common import (
+from flywheel.gateway.cli.common import (
     AdminKeyOption,
     ConfigOption,
     GatewayOption,
@@ -32,7 +32,7 @@ from gateway.cli.common import (
     fail,
     locate,
 )
-from gateway.cli.jobs import LaunchOption, describe_round, field_values, launcher_of
+from flywheel.gateway.cli.jobs import LaunchOption, describe_round, field_values, launcher_of
 
 
 def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, config: ConfigOption = None,
@@ -60,7 +60,7 @@ def trainer(gateway: GatewayOption = None, admin_key: AdminKeyOption = None, con
 
     Example: flywheel trainer --gateway http://gateway:8000 --admin-key $FLYWHEEL_ADMIN_KEY
     """
-    from gateway.training.rounds import AdminApi, RoundError, run_round
+    from flywheel.gateway.training.rounds import AdminApi, RoundError, run_round
 
     location = locate(Target(config, gateway, admin_key, None, None))
     if location.url is None:

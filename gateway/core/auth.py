@@ -14,8 +14,8 @@ import secrets
 
 from starlette.requests import Request
 
-from gateway.core.config import AuthConfig
-from gateway.core.errors import Unauthorized
+from flywheel.gateway.core.config import AuthConfig
+from flywheel.gateway.core.errors import Unauthorized
 
 
 def key_id(key: str) -> str:

@@ -35,9 +35,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from gateway.core.config_env import unknown_variables
-from judge.rewards import RewardPolicy
-from judge.ruler import JudgeConfig
+from flywheel.gateway.core.config_env import unknown_variables
+from flywheel.judge.rewards import RewardPolicy
+from flywheel.judge.ruler import JudgeConfig
 
 TINY_MODEL = "tiny"  # the model name that means "the tiny model built offline into the data dir"
 MAX_VERSION = 2**31 - 1  # adapter version numbers are stored as 32-bit integers

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.core.config import Settings
+from flywheel.gateway.core.config import Settings
 
 FILE = "gateway.json"
 

@@ -1,4 +1,4 @@
-"""Every error either process's HTTP API reports goes out in OpenAI's shape (``gateway.core.errors``)."""
+"""Every error either process's HTTP API reports goes out in OpenAI's shape (``flywheel.gateway.core.errors``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from gateway.core.errors import BadRequest, OpenAIError
-from gateway.core.metrics import GatewayMetrics
-from gateway.core.protocol import format_param
+from flywheel.gateway.core.errors import BadRequest, OpenAIError
+from flywheel.gateway.core.metrics import GatewayMetrics
+from flywheel.gateway.core.protocol import format_param
 
 log = logging.getLogger("flywheel.api")
 

@@ -8,7 +8,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.core.errors import PayloadTooLarge
+from flywheel.gateway.core.errors import PayloadTooLarge
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:

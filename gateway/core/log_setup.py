@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from capture.redaction import RedactingFilter, Redactor
-from gateway.core.config import Settings
+from flywheel.capture.redaction import RedactingFilter, Redactor
+from flywheel.gateway.core.config import Settings
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -21,7 +21,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from gateway.core.errors import BadRequest
+from flywheel.gateway.core.errors import BadRequest
 
 OFF_LOOP_BODY_BYTES = 1 << 20  # bigger bodies are parsed and validated on a worker thread
 MAX_JSON_DEPTH = 64  # a body nests at most this deep; orjson writes at most 254 levels, reads 1024

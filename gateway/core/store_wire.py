@@ -3,8 +3,8 @@ rule, and the redaction both sides apply (the gateway to what it spools itself, 
 
 from __future__ import annotations
 
-from capture.redaction import Redactor
-from gateway.core.config import Settings
+from flywheel.capture.redaction import Redactor
+from flywheel.gateway.core.config import Settings
 
 INGEST_SEQ_HEADER = "x-flywheel-ingest-seq"  # exchanges the gateway had streamed when it forwarded a request
 CLIENT_HOST_HEADER = "x-flywheel-client-host"  # the forwarded request's client address

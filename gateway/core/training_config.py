@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gateway.core.config import TINY_MODEL, LocalEngineConfig, Settings
+from flywheel.gateway.core.config import TINY_MODEL, LocalEngineConfig, Settings
 
 
 def base_model_path(settings: Settings, alias: str) -> str:
@@ -21,7 +21,7 @@ def base_model_path(settings: Settings, alias: str) -> str:
         raise ValueError(f"aliases.{alias}.train_model: the alias is served by an upstream engine; say which "
                          "local base weights to train (a directory or a cached HF id)")
     if engine.model == TINY_MODEL:
-        from trainer.tiny_model import ensure_tiny_model
+        from flywheel.trainer.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model(settings.data_dir / "models" / "tiny"))
     return engine.model
@@ -29,7 +29,7 @@ def base_model_path(settings: Settings, alias: str) -> str:
 
 def grpo_args(settings: Settings, base_model: str, overrides: dict[str, Any] | None = None) -> Any:
     """``GRPOArgs`` from ``[train] args`` (+ overrides); the tiny model starts from its CPU settings."""
-    from trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo import GRPOArgs
 
     values = {**settings.train.args, **(overrides or {})}
     tiny = settings.train.tiny_defaults and Path(base_model).resolve() == (

@@ -1,7 +1,7 @@
 """The composition root: build the FastAPI app from :class:`Settings`.
 
-Run it with ``flywheel serve`` (or ``python -m gateway serve``). The app owns its
-engines and its store process (:mod:`gateway.storeproc.main`): they start in the lifespan
+Run it with ``flywheel serve`` (or ``python -m flywheel.gateway serve``). The app owns its
+engines and its store process (:mod:`flywheel.gateway.storeproc.main`): they start in the lifespan
 and stop on shutdown. The store-backed routes are the store process's; the gateway
 forwards them (same paths, same auth), so clients see one server.
 """
@@ -20,29 +20,29 @@ from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from capture.store import printable_url
-from gateway.core.auth import Authenticator
-from gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, Settings
-from gateway.core.discovery import announce_when_listening, local_url, withdraw
-from gateway.core.error_handlers import install_error_handlers
-from gateway.core.errors import OpenAIError
-from gateway.core.http import json_response, read_body
-from gateway.core.openapi import openapi_document
-from gateway.core.processes import tune_gc
-from gateway.core.store_wire import redactor_for
-from gateway.serving.engines.base import Engine
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.loop.leader import shared_store
-from gateway.serving.loop.promotion import restore_serving
-from gateway.serving.loop.scheduler import Loop
-from gateway.serving.observability.loop_jobs import Observability
-from gateway.serving.routes import admin, completions, loop_admin
-from gateway.serving.routes import training_api as training
-from gateway.serving.routing import ModelRouter
-from gateway.serving.served_model import ServedModel
-from gateway.serving.store_link import StoreLink
-from gateway.serving.ui.routes import install as install_dashboard
-from gateway.storeproc.routes import STORE_ROUTERS
+from flywheel.capture.store import printable_url
+from flywheel.gateway.core.auth import Authenticator
+from flywheel.gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, Settings
+from flywheel.gateway.core.discovery import announce_when_listening, local_url, withdraw
+from flywheel.gateway.core.error_handlers import install_error_handlers
+from flywheel.gateway.core.errors import OpenAIError
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.openapi import openapi_document
+from flywheel.gateway.core.processes import tune_gc
+from flywheel.gateway.core.store_wire import redactor_for
+from flywheel.gateway.serving.engines.base import Engine
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.loop.leader import shared_store
+from flywheel.gateway.serving.loop.promotion import restore_serving
+from flywheel.gateway.serving.loop.scheduler import Loop
+from flywheel.gateway.serving.observability.loop_jobs import Observability
+from flywheel.gateway.serving.routes import admin, completions, loop_admin
+from flywheel.gateway.serving.routes import training_api as training
+from flywheel.gateway.serving.routing import ModelRouter
+from flywheel.gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.store_link import StoreLink
+from flywheel.gateway.serving.ui.routes import install as install_dashboard
+from flywheel.gateway.storeproc.routes import STORE_ROUTERS
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -50,10 +50,10 @@ log = logging.getLogger("flywheel.gateway")
 def make_engine(config: LocalEngineConfig | OpenAIEngineConfig, settings: Settings) -> Engine:
     """An engine for one ``[engines.NAME]`` table; torch is imported only for a local engine."""
     if isinstance(config, OpenAIEngineConfig):
-        from gateway.serving.engines.openai_upstream import OpenAIUpstreamEngine
+        from flywheel.gateway.serving.engines.openai_upstream import OpenAIUpstreamEngine
 
         return OpenAIUpstreamEngine(config)
-    from gateway.serving.engines.local import LocalEngine
+    from flywheel.gateway.serving.engines.local import LocalEngine
 
     return LocalEngine(config, settings.data_dir, threads=decode_threads(config, settings))
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.served_model import ServedModel
 
 
 def assistant_key(message: dict[str, Any] | None) -> str | None:

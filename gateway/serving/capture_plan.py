@@ -17,10 +17,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from capture.turns import CapturedExchange
-from gateway.core.config import CaptureConfig, GroupsConfig
-from gateway.core.errors import BadRequest
-from gateway.serving.served_model import ServedModel
+from flywheel.capture.turns import CapturedExchange
+from flywheel.gateway.core.config import CaptureConfig, GroupsConfig
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.serving.served_model import ServedModel
 
 _PREFIX = b"x-flywheel-"
 

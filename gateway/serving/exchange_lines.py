@@ -3,7 +3,7 @@
 orjson holds the GIL for a whole ``dumps`` call (a thread alone would stall the loop just the
 same: ~50 ms for a response with 20 000 tokens of top-20 logprobs), so a big exchange is
 serialized on a worker thread piece by piece, and the thread hands the GIL back between
-pieces. The line is the one :meth:`capture.turns.CapturedExchange.to_line` writes.
+pieces. The line is the one :meth:`flywheel.capture.turns.CapturedExchange.to_line` writes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from capture.turns import CapturedExchange
+from flywheel.capture.turns import CapturedExchange
 
 OFF_LOOP_LINE_BYTES = 1 << 20  # exchanges estimated bigger than this are serialized off the event loop
 _PIECE_ITEMS = 256  # list items serialized in one orjson call: well under a millisecond for logprob entries

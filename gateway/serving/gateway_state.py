@@ -2,7 +2,7 @@
 
 Two processes serve one gateway (docs/gateway.md, "Two processes"): the gateway process
 (:class:`GatewayState`: engines, routing, the request path) and the store process
-(:class:`gateway.storeproc.store_state.StoreState`: the DuckDB file, the recorder, the store-backed routes).
+(:class:`flywheel.gateway.storeproc.store_state.StoreState`: the DuckDB file, the recorder, the store-backed routes).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from gateway.core.auth import Authenticator
-from gateway.core.config import Settings
-from gateway.core.metrics import GatewayMetrics
-from gateway.serving.engines.base import Engine
-from gateway.serving.routing import ModelRouter
-from gateway.serving.store_link import StoreLink
+from flywheel.gateway.core.auth import Authenticator
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.metrics import GatewayMetrics
+from flywheel.gateway.serving.engines.base import Engine
+from flywheel.gateway.serving.routing import ModelRouter
+from flywheel.gateway.serving.store_link import StoreLink
 
 
 @dataclass

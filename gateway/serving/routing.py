@@ -19,12 +19,12 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gateway.core.config import RoutingConfig
-from gateway.core.errors import NotFound, OpenAIError, UpstreamError
-from gateway.serving.served_model import ServedModel
+from flywheel.gateway.core.config import RoutingConfig
+from flywheel.gateway.core.errors import NotFound, OpenAIError, UpstreamError
+from flywheel.gateway.serving.served_model import ServedModel
 
 if TYPE_CHECKING:
-    from gateway.serving.canary import CanarySplit
+    from flywheel.gateway.serving.canary import CanarySplit
 
 log = logging.getLogger("flywheel.routing")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.serving.engines.base import Engine
+from flywheel.gateway.serving.engines.base import Engine
 
 
 @dataclass

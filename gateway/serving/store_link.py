@@ -1,9 +1,9 @@
-"""The gateway's side of the store process (:mod:`gateway.storeproc.main`).
+"""The gateway's side of the store process (:mod:`flywheel.gateway.storeproc.main`).
 
 :class:`StoreLink` starts the store process, restarts it if it dies, streams every
 captured exchange to it, and forwards the store-backed routes to it. On the request
 path capture costs one ``orjson.dumps`` of the exchange (a big one is serialized off the event loop:
-:mod:`gateway.serving.exchange_lines`) and, every ``capture.handoff_s``
+:mod:`flywheel.gateway.serving.exchange_lines`) and, every ``capture.handoff_s``
 (50 ms), one socket write for all the exchanges finished in it.
 
 When the store process cannot take an exchange (it is restarting, or has fallen more
@@ -33,13 +33,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from yarl import URL
 
-from capture.recorder import Spool
-from capture.redaction import Redactor
-from capture.turns import CapturedExchange, prepare_lines
-from gateway.core.config import Settings
-from gateway.core.errors import OpenAIError, UpstreamError
-from gateway.core.store_wire import CLIENT_HOST_HEADER, INGEST_SEQ_HEADER, STORE_KEEPALIVE_S
-from gateway.serving.exchange_lines import OFF_LOOP_LINE_BYTES, estimated_bytes, line_in_pieces
+from flywheel.capture.recorder import Spool
+from flywheel.capture.redaction import Redactor
+from flywheel.capture.turns import CapturedExchange, prepare_lines
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.errors import OpenAIError, UpstreamError
+from flywheel.gateway.core.store_wire import CLIENT_HOST_HEADER, INGEST_SEQ_HEADER, STORE_KEEPALIVE_S
+from flywheel.gateway.serving.exchange_lines import OFF_LOOP_LINE_BYTES, estimated_bytes, line_in_pieces
 
 log = logging.getLogger("flywheel.store_link")
 
@@ -210,7 +210,7 @@ class StoreLink:
             path.unlink(missing_ok=True)
         # Its own session: a terminal's Ctrl-C reaches the gateway only, which then stops it in order.
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.storeproc.main", "--api-socket", str(self.api_socket),
+            sys.executable, "-m", "flywheel.gateway.storeproc.main", "--api-socket", str(self.api_socket),
             "--ingest-socket", str(self.ingest_socket), stdin=asyncio.subprocess.PIPE, start_new_session=True)
         assert self._proc.stdin is not None
         self._proc.stdin.write(pickle.dumps(self.settings.model_dump()))

@@ -1,2 +1,2 @@
 """The store process: it owns the store file, records captured turns, serves the store-backed routes and runs the
-loop's store-side operations (``storeproc/main.py`` is its entry point, ``python -m gateway.storeproc.main``)."""
+loop's store-side operations (its entry point: ``python -m flywheel.gateway.storeproc.main``)."""

@@ -14,13 +14,13 @@ from typing import Any
 from sqlalchemy import ColumnElement, String, cast, exists, func, literal_column
 from sqlmodel import col, select
 
-from capture import queries
-from capture.models import Group as GroupRow
-from capture.models import GroupMember, JobRun, Score, Trajectory, Turn
-from capture.queries import QueryError, TrajectoryFilter, iso
-from capture.store import Store
-from gateway.core.config import Settings
-from gateway.storeproc.store_ops import op
+from flywheel.capture import queries
+from flywheel.capture.models import Group as GroupRow
+from flywheel.capture.models import GroupMember, JobRun, Score, Trajectory, Turn
+from flywheel.capture.queries import QueryError, TrajectoryFilter, iso
+from flywheel.capture.store import Store
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.storeproc.store_ops import op
 
 
 @dataclass(frozen=True)

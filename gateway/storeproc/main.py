@@ -1,6 +1,6 @@
 """The store process: owns the store, records captured turns, serves the store-backed routes.
 
-The gateway starts it (:mod:`gateway.serving.store_link`) as ``python -m gateway.storeproc.main``
+The gateway starts it (:mod:`flywheel.gateway.serving.store_link`) as ``python -m flywheel.gateway.storeproc.main``
 with its settings on stdin, and it lives as long as the gateway. Why a process of its own
 (docs/gateway.md, "Two processes"): DuckDB lets one process open a file (architecture §8), and
 capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must not take the
@@ -33,25 +33,25 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from capture.recorder import Recorder, Spool
-from capture.store import Store, printable_url
-from gateway.core.auth import Authenticator
-from gateway.core.config import Settings
-from gateway.core.error_handlers import install_error_handlers
-from gateway.core.errors import BadRequest, NotFound
-from gateway.core.http import json_response
-from gateway.core.log_setup import configure_logging
-from gateway.core.processes import tune_gc
-from gateway.core.protocol import parse_json_object
-from gateway.core.store_wire import CLIENT_HOST_HEADER, STORE_KEEPALIVE_S, redactor_for
-from gateway.core.tracing import Tracing
-from gateway.storeproc import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
-from gateway.storeproc.memory import limit_memory, memory_report
-from gateway.storeproc.redacted_bodies import RedactedBodies
-from gateway.storeproc.routes import STORE_ROUTERS
-from gateway.storeproc.store_ops import OPS, is_async
-from gateway.storeproc.store_state import StoreState
-from gateway.storeproc.versions import VersionError
+from flywheel.capture.recorder import Recorder, Spool
+from flywheel.capture.store import Store, printable_url
+from flywheel.gateway.core.auth import Authenticator
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.error_handlers import install_error_handlers
+from flywheel.gateway.core.errors import BadRequest, NotFound
+from flywheel.gateway.core.http import json_response
+from flywheel.gateway.core.log_setup import configure_logging
+from flywheel.gateway.core.processes import tune_gc
+from flywheel.gateway.core.protocol import parse_json_object
+from flywheel.gateway.core.store_wire import CLIENT_HOST_HEADER, STORE_KEEPALIVE_S, redactor_for
+from flywheel.gateway.core.tracing import Tracing
+from flywheel.gateway.storeproc import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
+from flywheel.gateway.storeproc.memory import limit_memory, memory_report
+from flywheel.gateway.storeproc.redacted_bodies import RedactedBodies
+from flywheel.gateway.storeproc.routes import STORE_ROUTERS
+from flywheel.gateway.storeproc.store_ops import OPS, is_async
+from flywheel.gateway.storeproc.store_state import StoreState
+from flywheel.gateway.storeproc.versions import VersionError
 
 log = logging.getLogger("flywheel.store")
 
@@ -79,7 +79,7 @@ def open_store(settings: Settings) -> Store:
     tracing = Tracing.start(settings.telemetry, process="store")
     if tracing is None:
         return Store(settings.database)
-    from gateway.storeproc.traced_store import TracedStore
+    from flywheel.gateway.storeproc.traced_store import TracedStore
 
     return TracedStore(settings.database, tracing, capture_content=settings.telemetry.capture_content)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from capture.store import Store
+from flywheel.capture.store import Store
 
 
 def limit_memory(store: Store, megabytes: int) -> None:

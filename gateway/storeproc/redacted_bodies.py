@@ -12,7 +12,7 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from capture.redaction import Redactor
+from flywheel.capture.redaction import Redactor
 
 
 class RedactedBodies:

@@ -21,14 +21,24 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, func, or_
 from sqlmodel import Session, col, delete, select
 
-from capture.groups import GroupingRules, form_groups, held_out
-from capture.models import AdapterVersion, Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
-from capture.store import Store
-from capture.turns import new_id
-from gateway.core.config import Settings
-from gateway.storeproc import versions
-from gateway.storeproc.training_records import record_failed_round, record_training, training_batch
-from judge.rewards import InvalidFeedbackError, feedback_reward
+from flywheel.capture.groups import GroupingRules, form_groups, held_out
+from flywheel.capture.models import (
+    AdapterVersion,
+    Feedback,
+    Group,
+    GroupMember,
+    JobRun,
+    Score,
+    Trajectory,
+    Turn,
+    utcnow,
+)
+from flywheel.capture.store import Store
+from flywheel.capture.turns import new_id
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.storeproc import versions
+from flywheel.gateway.storeproc.training_records import record_failed_round, record_training, training_batch
+from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
 
 Op = Callable[..., Any]
 OPS: dict[str, Op] = {}
@@ -50,7 +60,7 @@ def _time(text: str | None) -> datetime | None:
 
 
 def adapter_dir(settings: Settings, alias: str, version: int) -> Path:
-    from trainer.adapters import alias_dir
+    from flywheel.trainer.adapters import alias_dir
 
     return alias_dir(settings.data_dir, alias) / str(version)
 
@@ -86,7 +96,7 @@ def run_group_formation(store: Store, settings: Settings) -> dict[str, Any]:
 
 @op("score")
 async def score(store: Store, settings: Settings, alias: str | None = None) -> dict[str, Any]:
-    from judge.scoring import score_pending
+    from flywheel.judge.scoring import score_pending
 
     summary = await score_pending(store.engine, settings.judge, settings.rewards, alias=alias)
     return asdict(summary)
@@ -136,7 +146,7 @@ def reserve_version(store: Store, settings: Settings, alias: str, base_model: st
 @op("record_round")
 def record_round(store: Store, settings: Settings, alias: str, version: int, parent_version: int | None,
                  promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Any:
-    from trainer.grpo import RoundResult
+    from flywheel.trainer.grpo import RoundResult
 
     adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
                               parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])

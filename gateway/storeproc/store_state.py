@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from capture.recorder import Recorder
-from capture.store import Store
-from gateway.core.auth import Authenticator
-from gateway.core.config import Settings
-from gateway.core.store_wire import INGEST_SEQ_HEADER
+from flywheel.capture.recorder import Recorder
+from flywheel.capture.store import Store
+from flywheel.gateway.core.auth import Authenticator
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.store_wire import INGEST_SEQ_HEADER
 
 
 @dataclass

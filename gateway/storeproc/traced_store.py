@@ -24,10 +24,10 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ge
 from opentelemetry.semconv._incubating.attributes.session_attributes import SESSION_ID
 from sqlmodel import col, select
 
-from capture.models import Turn
-from capture.store import Store
-from capture.turns import PreparedTurn
-from gateway.core.tracing import Tracing
+from flywheel.capture.models import Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import PreparedTurn
+from flywheel.gateway.core.tracing import Tracing
 
 log = logging.getLogger("flywheel.telemetry")
 

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from sqlmodel import Session, col, select
 
-from capture.batches import TrainingGroup
-from capture.groups import training_group
-from capture.models import AdapterVersion, Group, utcnow
-from capture.store import Store
-from gateway.storeproc import versions
+from flywheel.capture.batches import TrainingGroup
+from flywheel.capture.groups import training_group
+from flywheel.capture.models import AdapterVersion, Group, utcnow
+from flywheel.capture.store import Store
+from flywheel.gateway.storeproc import versions
 
 log = logging.getLogger("flywheel.training")
 
@@ -51,7 +51,7 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
     trainer skipped it (equal rewards, wrong size, too long) — so no group is trained twice and none
     is fetched again forever. A skipped round (nothing trainable) fails its reserved version.
     """
-    from trainer.adapters import OPTIMIZER_FILE, is_complete, record_round
+    from flywheel.trainer.adapters import OPTIMIZER_FILE, is_complete, record_round
 
     with Session(store.engine, expire_on_commit=False) as session:
         if result.adapter_dir is not None:  # the files are where the gateway reserved them, whatever the report says
@@ -82,7 +82,7 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
 def record_failed_round(store: Store, alias: str, version: int, error: str, group_ids: list[str]) -> AdapterVersion:
     """A round that raised or whose process died: the run row and the reserved version say so; its groups
     stay ``scored`` and the next round takes them again."""
-    from trainer.adapters import record_failure
+    from flywheel.trainer.adapters import record_failure
 
     with Session(store.engine, expire_on_commit=False) as session:
         record_failure(session, alias=alias, error=error, group_ids=group_ids, commit=False)

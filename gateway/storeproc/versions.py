@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, func, select
 
-from capture.models import AdapterVersion, utcnow
-from capture.turns import new_id
+from flywheel.capture.models import AdapterVersion, utcnow
+from flywheel.capture.turns import new_id
 
 IN_FLIGHT = ("training", "candidate", "canary")  # an alias trains one candidate at a time
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from gateway.core.config import Settings
+from flywheel.gateway.core.config import Settings
 
 
 class RoundError(RuntimeError):
@@ -109,7 +109,7 @@ class AdminApi:
 
     def download(self, alias: str, version: int, out_dir: Path) -> Path:
         """Version ``version``'s files from the gateway into ``out_dir`` (absent or empty)."""
-        from trainer import adapters
+        from flywheel.trainer import adapters
 
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir.parent) as archive:
@@ -133,7 +133,7 @@ class AdminApi:
     def publish(self, alias: str, version: int, out_dir: str) -> None:
         if self.workdir is None:
             return  # written where the gateway reads it
-        from trainer import adapters
+        from flywheel.trainer import adapters
 
         with tempfile.TemporaryFile(dir=Path(out_dir).parent) as archive:
             adapters.pack(out_dir, archive)
@@ -159,8 +159,8 @@ class StoreFile:
     def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
         from dataclasses import asdict
 
-        from gateway.core.training_config import base_model_path, grpo_args
-        from gateway.storeproc import store_ops
+        from flywheel.gateway.core.training_config import base_model_path, grpo_args
+        from flywheel.gateway.storeproc import store_ops
 
         try:
             base = base_model_path(self.settings, alias)
@@ -176,7 +176,7 @@ class StoreFile:
         return current["path"] if current else None
 
     def reserve(self, alias: str, batch: Batch) -> dict[str, Any]:
-        from gateway.storeproc import store_ops
+        from flywheel.gateway.storeproc import store_ops
 
         return store_ops.reserve_version(self.store, self.settings, alias, base_model=batch.base_model,
                                          parent_version=batch.current["version"] if batch.current else None)
@@ -188,12 +188,12 @@ class StoreFile:
         pass  # written in place
 
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
-        from gateway.storeproc import store_ops
+        from flywheel.gateway.storeproc import store_ops
 
         return store_ops.record_round(self.store, self.settings, **report)
 
     def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None:
-        from gateway.storeproc import store_ops
+        from flywheel.gateway.storeproc import store_ops
 
         store_ops.failed_round(self.store, self.settings, alias, version, error, group_ids)
 
@@ -202,7 +202,7 @@ class StoreFile:
 class RoundOutcome:
     status: str  # "finished" | "skipped" | "nothing"
     version: int | None
-    result: Any  # trainer.grpo.RoundResult, None when nothing was trained
+    result: Any  # flywheel.trainer.grpo.RoundResult, None when nothing was trained
     groups: int
 
 
@@ -212,11 +212,11 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised.
 
     ``base_model``: where this machine keeps the base weights the gateway names (default: the same name).
-    ``launcher``: train in ``launcher + ["-m", "trainer.grpo", ...]`` (``accelerate launch --num_processes 4``:
+    ``launcher``: train in ``launcher + ["-m", "flywheel.trainer.grpo", ...]`` (``accelerate launch --num_processes 4``:
     several GPUs, the same code) instead of in this process."""
-    from capture.batches import TrainingGroup
-    from trainer import adapters
-    from trainer.grpo import GRPOArgs
+    from flywheel.capture.batches import TrainingGroup
+    from flywheel.trainer import adapters
+    from flywheel.trainer.grpo import GRPOArgs
 
     batch = where.batch(alias, max_groups, group_ids)
     if not batch.groups:
@@ -228,7 +228,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     reserved = where.reserve(alias, batch)
     version, out_dir = reserved["version"], where.writable(alias, reserved)
     try:
-        from trainer.grpo import train_round
+        from flywheel.trainer.grpo import train_round
 
         train = functools.partial(launched_round, launcher) if launcher else train_round
         result = train(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
@@ -250,18 +250,19 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
 
 def launched_round(launcher: list[str], base_model: str, groups: list[Any], args: Any, *, init_adapter: str | None,
                    out_dir: str, optimizer_state: Path | None) -> Any:
-    """``train_round`` as ``python -m trainer.grpo`` under ``launcher``; its ``--result-json`` is the result."""
+    """``train_round`` as ``python -m flywheel.trainer.grpo`` under ``launcher``; ``--result-json`` is the result."""
     import json
     import subprocess
     from dataclasses import asdict
 
-    from trainer.grpo import RoundResult
+    from flywheel.trainer.grpo import RoundResult
 
     with tempfile.TemporaryDirectory(prefix="flywheel-round-") as tmp:
         files = Path(tmp)
         (files / "groups.jsonl").write_text("".join(json.dumps(group.to_json()) + "\n" for group in groups))
         (files / "args.json").write_text(json.dumps(asdict(args)))
-        command = [*launcher, "-m", "trainer.grpo", "--base", base_model, "--groups", str(files / "groups.jsonl"),
+        command = [*launcher, "-m", "flywheel.trainer.grpo",
+                   "--base", base_model, "--groups", str(files / "groups.jsonl"),
                    "--out", out_dir, "--args-json", str(files / "args.json"),
                    "--result-json", str(files / "result.json")]
         if init_adapter:
@@ -270,5 +271,5 @@ def launched_round(launcher: list[str], base_model: str, groups: list[Any], args
             command += ["--optimizer-state", str(optimizer_state)]
         done = subprocess.run(command, check=False)  # its output is the worker's: progress, TRL's logs
         if done.returncode != 0 or not (files / "result.json").is_file():
-            raise RuntimeError(f"{' '.join(launcher)} -m trainer.grpo exited with status {done.returncode}")
+            raise RuntimeError(f"{' '.join(launcher)} -m flywheel.trainer.grpo exited with status {done.returncode}")
         return RoundResult.from_json(json.loads((files / "result.json").read_text()))

@@ -16,11 +16,11 @@ GATEWAY_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "aiohttp", "pyar
 
 def main() -> None:
     try:
-        from gateway.cli import main as cli_main
+        from flywheel.gateway.cli import main as cli_main
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in GATEWAY_MODULES:
             raise
         sys.stderr.write(f"error: the flywheel command needs the gateway, which is not installed ({exc.name} is "
                          "missing): pip install 'flywheel-rl[gateway]' (add [train] to train models)\n")
         raise SystemExit(2) from None
-    cli_main()  # usage errors and failures: one line (gateway.cli.main.main)
+    cli_main()  # usage errors and failures: one line (flywheel.gateway.cli.main.main)

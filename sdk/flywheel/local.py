@@ -2,7 +2,7 @@
 
     async with LocalBackend(path="./.flywheel") as backend:
         model = flywheel.TrainableModel(name="agent", project="demo", base_model="Qwen/Qwen2.5-0.5B-Instruct")
-        await model.register(backend)          # starts `python -m gateway serve` serving model.base_model
+        await model.register(backend)          # starts `python -m flywheel.gateway serve` serving model.base_model
         ...                                    # rollouts, backend.train(model, groups), ...
     # the gateway is stopped here, also when the block raised
 
@@ -37,7 +37,7 @@ from flywheel.model import Model
 
 __all__ = ["LocalBackend"]
 
-_SERVER_MODULES = ("gateway", "fastapi", "uvicorn", "duckdb", "sqlmodel", "litellm")
+_SERVER_MODULES = ("fastapi", "uvicorn", "duckdb", "sqlmodel", "litellm")
 _TRAIN_MODULES = ("torch", "transformers", "peft", "trl")
 _STOP_WAIT_S = 30.0
 
@@ -86,7 +86,7 @@ class LocalBackend(Gateway):
                  vllm_base_url: str | None = None, vllm_api_key: str | None = None, extra_config: str = "",
                  startup_timeout_s: float = 600.0) -> None:
         check_installed()  # before the port: a free one comes from the gateway package
-        from gateway.core.processes import free_port
+        from flywheel.gateway.core.processes import free_port
 
         self.path = Path(path or ".flywheel").resolve()
         self.port = port or free_port()
@@ -164,7 +164,7 @@ class LocalBackend(Gateway):
         """(Re)start the gateway with the current configuration and wait until it answers."""
         if self.closed:
             raise GatewayStartError(f"{self!r} is closed")
-        from gateway.core.processes import NotAnswering, wait_until_answering
+        from flywheel.gateway.core.processes import NotAnswering, wait_until_answering
 
         _stop(self._process)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,7 @@ class LocalBackend(Gateway):
             env["FLYWHEEL_ENGINES__VLLM__API_KEY"] = self._vllm_api_key  # secrets by environment, never in files
         with self.log_file.open("ab") as log:
             self._process.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_file), "--port",
+                [sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(self.config_file), "--port",
                  str(self.port)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
         try:  # any answer: it serves (a 503 only says an engine is down)
             wait_until_answering(self.url, self._process[0], timeout_s=self.startup_timeout_s)

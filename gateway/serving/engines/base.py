@@ -3,7 +3,7 @@
 Both engines speak one dialect, vLLM's flavour of the OpenAI API:
 
 - ``body`` is the OpenAI request as a plain dict, already validated by
-  :mod:`gateway.core.protocol` (strict types, every bound, refused fields): an engine adds
+  :mod:`flywheel.gateway.core.protocol` (strict types, every bound, refused fields): an engine adds
   only its own limits, as 400s naming the field. ``body["model"]`` is the name the
   engine serves: the base model or the name a LoRA adapter was loaded under (``alias@N``).
 - Non-streaming calls return the OpenAI response dict. When ``return_token_ids`` is
@@ -13,7 +13,7 @@ Both engines speak one dialect, vLLM's flavour of the OpenAI API:
   ``text_completion``). The usage chunk (empty ``choices``) comes last when
   ``stream_options.include_usage`` is true. The gateway adds ``data: `` framing and
   ``[DONE]``.
-- Failures raise :class:`gateway.core.errors.OpenAIError` subclasses, before the first
+- Failures raise :class:`flywheel.gateway.core.errors.OpenAIError` subclasses, before the first
   chunk when possible (a bad request on the stream's first ``anext``); after it, the
   gateway turns them into an SSE error event. Closing a stream early (the client left)
   must stop the generation.

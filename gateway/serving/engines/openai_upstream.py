@@ -2,7 +2,7 @@
 
 One ``aiohttp.ClientSession`` per engine, opened in :meth:`start` and closed in
 :meth:`aclose`; streams are read as bytes arrive and handed on event by event, never
-buffered whole. Upstream failures become :mod:`gateway.core.errors` exceptions:
+buffered whole. Upstream failures become :mod:`flywheel.gateway.core.errors` exceptions:
 connection trouble and 5xx -> 502, timeouts -> 504, and the upstream's own 4xx
 verdicts on the request (400, 404, 413, 422, 429) keep their status and message.
 Adapters are loaded through vLLM's runtime LoRA API
@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.core.config import OpenAIEngineConfig
-from gateway.core.errors import OpenAIError, UpstreamError, UpstreamTimeout
-from gateway.serving.engines.base import Body, Chunk
+from flywheel.gateway.core.config import OpenAIEngineConfig
+from flywheel.gateway.core.errors import OpenAIError, UpstreamError, UpstreamTimeout
+from flywheel.gateway.serving.engines.base import Body, Chunk
 
 _JSON = {"content-type": "application/json"}
 _RELAYED_STATUSES = {400, 404, 413, 422, 429}  # the upstream's verdict on the request itself

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from gateway.core.config import GateConfig, JudgeConfig
-from gateway.serving.served_model import ServedModel
+from flywheel.gateway.core.config import GateConfig, JudgeConfig
+from flywheel.gateway.serving.served_model import ServedModel
 
 log = logging.getLogger("flywheel.gate")
 
@@ -67,9 +67,9 @@ def ruler_scorer(judge: JudgeConfig) -> Scorer:
     """The two answers judged against each other by RULER (the ``[judge]`` model)."""
     async def score(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, candidate: dict[str, Any],
                     baseline: dict[str, Any]) -> tuple[float, float]:
-        from capture.trajectory import Trajectory, TrajectoryGroup
-        from judge.rubric import resolve_rubric
-        from judge.ruler import ruler_score_group
+        from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
+        from flywheel.judge.rubric import resolve_rubric
+        from flywheel.judge.ruler import ruler_score_group
 
         group = TrajectoryGroup(trajectories=[
             Trajectory(messages_and_choices=[*messages, candidate], tools=tools),

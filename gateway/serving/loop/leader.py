@@ -22,12 +22,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from capture.store import database_url, lock_key, printable_url
+from flywheel.capture.store import database_url, lock_key, printable_url
 
 log = logging.getLogger("flywheel.leader")
 
 OnChange = Callable[[bool], Awaitable[None]]
-LOOP_LOCK = "loop"  # the advisory lock's name (capture.store.lock_key): one per database
+LOOP_LOCK = "loop"  # the advisory lock's name (flywheel.capture.store.lock_key): one per database
 
 
 def shared_store(database: str) -> bool:

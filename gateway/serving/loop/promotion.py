@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.served_model import ServedModel
 
 log = logging.getLogger("flywheel.loop")
 

@@ -33,15 +33,15 @@ from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from gateway.core.config import LoopConfig
-from gateway.serving.canary import CanarySplit
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.loop import gate as offline
-from gateway.serving.loop.abtest import SequentialTest
-from gateway.serving.loop.leader import Leadership, shared_store
-from gateway.serving.loop.promotion import promote_version
-from gateway.serving.loop.training_child import TrainingChild
-from gateway.serving.observability.loop_jobs import Observability
+from flywheel.gateway.core.config import LoopConfig
+from flywheel.gateway.serving.canary import CanarySplit
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.loop import gate as offline
+from flywheel.gateway.serving.loop.abtest import SequentialTest
+from flywheel.gateway.serving.loop.leader import Leadership, shared_store
+from flywheel.gateway.serving.loop.promotion import promote_version
+from flywheel.gateway.serving.loop.training_child import TrainingChild
+from flywheel.gateway.serving.observability.loop_jobs import Observability
 
 log = logging.getLogger("flywheel.loop")
 # A tick that finds its job still running is skipped by design (max_instances=1); APScheduler would log

@@ -1,4 +1,4 @@
-"""The loop's training round runs in a child process: ``python -m gateway train --gateway URL``.
+"""The loop's training round runs in a child process: ``python -m flywheel.gateway train --gateway URL``.
 
 The same path a person runs by hand, so the serving process never holds torch's training memory.
 The child runs at a lower CPU priority (``[loop] train_nice``) with its torch threads capped
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.core.config import Settings
+from flywheel.gateway.core.config import Settings
 
 
 @dataclass
@@ -40,7 +40,8 @@ class TrainingChild:
 
     def command(self, alias: str, group_ids: list[str] | None = None, overrides: list[str] | None = None) -> list[str]:
         loop = self.settings.loop
-        command = [sys.executable, "-m", "gateway", "train", "--alias", alias, "--gateway", self.gateway_url, "--json"]
+        command = [sys.executable, "-m", "flywheel.gateway",
+                   "train", "--alias", alias, "--gateway", self.gateway_url, "--json"]
         if loop.train_threads:
             command += ["--threads", str(loop.train_threads)]
         if group_ids:

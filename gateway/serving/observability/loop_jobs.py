@@ -15,9 +15,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.core.config import Settings
-from gateway.core.tracing import Tracing
-from gateway.serving.observability.tracking import Tracker, numbers
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.tracing import Tracing
+from flywheel.gateway.serving.observability.tracking import Tracker, numbers
 
 log = logging.getLogger("flywheel.telemetry")
 

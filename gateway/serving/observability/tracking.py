@@ -24,8 +24,8 @@ import threading
 from collections import Counter
 from typing import Any
 
-from gateway.core.config import Settings
-from gateway.core.tracing import require
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.tracing import require
 
 log = logging.getLogger("flywheel.tracking")
 

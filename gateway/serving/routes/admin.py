@@ -10,14 +10,14 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from gateway.core.config import AdapterVersion
-from gateway.core.errors import BadRequest
-from gateway.core.http import json_response, read_body
-from gateway.core.openapi import ERRORS, json_body
-from gateway.core.protocol import parse_json_object, validate_request
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.loop.promotion import promote_version, register_adapter
-from gateway.serving.served_model import ServedModel
+from flywheel.gateway.core.config import AdapterVersion
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.openapi import ERRORS, json_body
+from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.loop.promotion import promote_version, register_adapter
+from flywheel.gateway.serving.served_model import ServedModel
 
 router = APIRouter(prefix="/flywheel/v1")
 

@@ -21,18 +21,18 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from capture.assembler import StreamAssembler
-from capture.turns import CapturedExchange
-from gateway.core.errors import OpenAIError, UpstreamError
-from gateway.core.http import read_body
-from gateway.core.openapi import ERRORS, json_body
-from gateway.core.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from gateway.serving.canary import CanarySplit
-from gateway.serving.capture_plan import CapturePlan, flywheel_headers, plan_capture
-from gateway.serving.engines.base import Body, Chunk
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.served_model import ServedModel
-from gateway.serving.store_link import StoreLink
+from flywheel.capture.assembler import StreamAssembler
+from flywheel.capture.turns import CapturedExchange
+from flywheel.gateway.core.errors import OpenAIError, UpstreamError
+from flywheel.gateway.core.http import read_body
+from flywheel.gateway.core.openapi import ERRORS, json_body
+from flywheel.gateway.core.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from flywheel.gateway.serving.canary import CanarySplit
+from flywheel.gateway.serving.capture_plan import CapturePlan, flywheel_headers, plan_capture
+from flywheel.gateway.serving.engines.base import Body, Chunk
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.store_link import StoreLink
 
 log = logging.getLogger("flywheel.api")
 router = APIRouter()

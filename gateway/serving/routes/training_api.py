@@ -31,14 +31,14 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.responses import FileResponse, Response
 
-from gateway.core.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
-from gateway.core.http import json_response, read_body
-from gateway.core.openapi import ERRORS, json_body, query
-from gateway.core.protocol import parse_json_object, validate_request
-from gateway.core.training_config import base_model_path, grpo_args
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.loop.promotion import promote_version
-from gateway.serving.routes.admin import alias_info
+from flywheel.gateway.core.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.openapi import ERRORS, json_body, query
+from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.core.training_config import base_model_path, grpo_args
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.loop.promotion import promote_version
+from flywheel.gateway.serving.routes.admin import alias_info
 
 router = APIRouter(prefix="/flywheel/v1/training")
 
@@ -87,7 +87,7 @@ async def get_batch(request: Request) -> Response:
 
 async def _worker_round_due(request: Request, state: GatewayState, alias: str) -> bool:
     """``[train] workers``: the loop's rule (``loop.min_groups``, ``loop.train_every_s``), one version in flight."""
-    from gateway.serving.loop.scheduler import Loop, training_due
+    from flywheel.gateway.serving.loop.scheduler import Loop, training_due
 
     if (await state.store_link.op("serving"))[alias]["in_flight"] is not None:
         return False
@@ -160,7 +160,7 @@ async def _version_row(request: Request, alias: str, version: int) -> tuple[Gate
 @router.get("/adapters/{alias}/{version}", responses=ERRORS)
 async def download_adapter(alias: str, version: int, request: Request) -> Response:
     """A version's files as a tar: the adapter a worker on another machine continues from."""
-    from trainer import adapters
+    from flywheel.trainer import adapters
 
     _, row = await _version_row(request, alias, version)
     if not adapters.is_complete(row["path"]):
@@ -176,7 +176,7 @@ async def download_adapter(alias: str, version: int, request: Request) -> Respon
 @router.put("/adapters/{alias}/{version}", responses=ERRORS)
 async def upload_adapter(alias: str, version: int, request: Request) -> Response:
     """A reserved version's files (``status`` ``training``), written once into the directory reserved for it."""
-    from trainer import adapters
+    from flywheel.trainer import adapters
 
     state, row = await _version_row(request, alias, version)
     if row["status"] != "training" or adapters.is_complete(row["path"]):

@@ -7,11 +7,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from capture.queries import QueryError, parse_bool, parse_time
-from gateway.serving.ui import common
-from gateway.serving.ui.conversation import branch_steps, leaf_branch
-from gateway.serving.ui.render import page
-from gateway.serving.ui.session import PATH, PageError
+from flywheel.capture.queries import QueryError, parse_bool, parse_time
+from flywheel.gateway.serving.ui import common
+from flywheel.gateway.serving.ui.conversation import branch_steps, leaf_branch
+from flywheel.gateway.serving.ui.render import page
+from flywheel.gateway.serving.ui.session import PATH, PageError
 
 router = APIRouter(prefix=PATH)
 

@@ -7,10 +7,10 @@ from urllib.parse import parse_qs
 
 from starlette.requests import Request
 
-from gateway.core.errors import OpenAIError
-from gateway.core.http import read_body
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.ui.session import PageError, Sessions, Viewer
+from flywheel.gateway.core.errors import OpenAIError
+from flywheel.gateway.core.http import read_body
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.ui.session import PageError, Sessions, Viewer
 
 FORM_LIMIT = 64 * 1024  # the dashboard's forms are a few fields
 

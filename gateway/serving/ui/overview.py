@@ -9,13 +9,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.core.errors import OpenAIError
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.routes.loop_admin import alias_status
-from gateway.serving.ui import common
-from gateway.serving.ui.charts import Timeline, reward_chart, series_class, traffic_chart
-from gateway.serving.ui.render import page
-from gateway.serving.ui.session import PATH, PageError
+from flywheel.gateway.core.errors import OpenAIError
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.routes.loop_admin import alias_status
+from flywheel.gateway.serving.ui import common
+from flywheel.gateway.serving.ui.charts import Timeline, reward_chart, series_class, traffic_chart
+from flywheel.gateway.serving.ui.render import page
+from flywheel.gateway.serving.ui.session import PATH, PageError
 
 router = APIRouter(prefix=PATH)
 

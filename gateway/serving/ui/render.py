@@ -17,7 +17,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gateway.serving.ui.session import COOKIE, MAX_AGE_S, PATH, Viewer
+from flywheel.gateway.serving.ui.session import COOKIE, MAX_AGE_S, PATH, Viewer
 
 HERE = Path(__file__).parent
 SECURITY_HEADERS = {

@@ -7,10 +7,10 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import RedirectResponse, Response
 
-from gateway.core.config import Settings
-from gateway.serving.ui import browse, common, overview, versions
-from gateway.serving.ui.render import HERE, SECURITY_HEADERS, page, set_session
-from gateway.serving.ui.session import (
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.serving.ui import browse, common, overview, versions
+from flywheel.gateway.serving.ui.render import HERE, SECURITY_HEADERS, page, set_session
+from flywheel.gateway.serving.ui.session import (
     COOKIE,
     PATH,
     LoginRequired,

@@ -22,10 +22,10 @@ from urllib.parse import quote
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from starlette.requests import Request
 
-from gateway.core.auth import bearer_token
-from gateway.core.config import Settings
-from gateway.core.errors import Unauthorized
-from gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.core.auth import bearer_token
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.errors import Unauthorized
+from flywheel.gateway.serving.gateway_state import GatewayState
 
 COOKIE = "flywheel_dashboard"
 MAX_AGE_S = 12 * 3600

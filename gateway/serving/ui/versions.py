@@ -9,12 +9,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import RedirectResponse, Response
 
-from gateway.core.errors import OpenAIError
-from gateway.serving.gateway_state import GatewayState
-from gateway.serving.routes.loop_admin import promote_by_hand, rollback_by_hand
-from gateway.serving.ui import common
-from gateway.serving.ui.render import page
-from gateway.serving.ui.session import PATH, PageError, check_csrf
+from flywheel.gateway.core.errors import OpenAIError
+from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.routes.loop_admin import promote_by_hand, rollback_by_hand
+from flywheel.gateway.serving.ui import common
+from flywheel.gateway.serving.ui.render import page
+from flywheel.gateway.serving.ui.session import PATH, PageError, check_csrf
 
 router = APIRouter(prefix=PATH)
 

@@ -25,15 +25,15 @@ from pydantic import BaseModel, Field
 from sqlmodel import col, select
 from starlette.responses import Response
 
-from capture.models import EvalMetric, utcnow
-from capture.store import Store
-from capture.turns import new_id
-from gateway.core.errors import NotFound, OpenAIError
-from gateway.core.http import json_response, read_body
-from gateway.core.protocol import parse_json_object, validate_request
-from gateway.storeproc import versions
-from gateway.storeproc.routes.helpers import caught_up_store, not_found
-from gateway.storeproc.store_state import StoreState
+from flywheel.capture.models import EvalMetric, utcnow
+from flywheel.capture.store import Store
+from flywheel.capture.turns import new_id
+from flywheel.gateway.core.errors import NotFound, OpenAIError
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.storeproc import versions
+from flywheel.gateway.storeproc.routes.helpers import caught_up_store, not_found
+from flywheel.gateway.storeproc.store_state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 

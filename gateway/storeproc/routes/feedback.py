@@ -17,16 +17,16 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from sqlmodel import col, select
 from starlette.responses import Response
 
-from capture.models import Feedback, Trajectory, Turn
-from capture.store import Store
-from capture.turns import new_id
-from gateway.core.errors import BadRequest, NotFound
-from gateway.core.http import json_response
-from gateway.core.openapi import ERRORS, json_body, query
-from gateway.core.protocol import parse_json_object, validate_request
-from gateway.storeproc import store_ops
-from gateway.storeproc.store_state import StoreState
-from judge.rewards import InvalidFeedbackError, feedback_reward
+from flywheel.capture.models import Feedback, Trajectory, Turn
+from flywheel.capture.store import Store
+from flywheel.capture.turns import new_id
+from flywheel.gateway.core.errors import BadRequest, NotFound
+from flywheel.gateway.core.http import json_response
+from flywheel.gateway.core.openapi import ERRORS, json_body, query
+from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.storeproc import store_ops
+from flywheel.gateway.storeproc.store_state import StoreState
+from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
 
 router = APIRouter(prefix="/flywheel/v1")
 

@@ -35,15 +35,15 @@ from pydantic import BaseModel, Field
 from sqlmodel import Session, col, select
 from starlette.responses import Response
 
-from capture.canonical import prefix_hashes
-from capture.models import Group, GroupMember, Score, Trajectory, Turn, utcnow
-from capture.redaction import Redactor
-from capture.store import Store
-from capture.turns import CapturedExchange, new_id
-from gateway.core.errors import BadRequest, NotFound, OpenAIError
-from gateway.core.http import json_response, read_body
-from gateway.core.protocol import parse_json_object, validate_request
-from gateway.storeproc.store_state import StoreState
+from flywheel.capture.canonical import prefix_hashes
+from flywheel.capture.models import Group, GroupMember, Score, Trajectory, Turn, utcnow
+from flywheel.capture.redaction import Redactor
+from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, new_id
+from flywheel.gateway.core.errors import BadRequest, NotFound, OpenAIError
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.storeproc.store_state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 

@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from gateway.core.errors import BadRequest, NotFound
+from flywheel.gateway.core.errors import BadRequest, NotFound
 
 if TYPE_CHECKING:
-    from capture.store import Store
+    from flywheel.capture.store import Store
 
 T = TypeVar("T")
 
 
 def query_error(exc: Exception) -> BadRequest:
-    """A ``capture.queries.QueryError`` (a bad filter, limit or cursor) as a 400 naming the parameter."""
+    """A ``flywheel.capture.queries.QueryError`` (a bad filter, limit or cursor) as a 400 naming the parameter."""
     return BadRequest(str(exc), param=getattr(exc, "param", None), code="invalid_value")
 
 
 async def run_query(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """A blocking store call on a worker thread; filter errors become 400s naming the parameter."""
-    from capture.queries import QueryError
+    from flywheel.capture.queries import QueryError
 
     try:
         return await asyncio.to_thread(function, *args, **kwargs)
@@ -46,7 +46,7 @@ async def caught_up_store(request: Request, *, admin: bool) -> tuple[Store, str 
     ``admin``: the admin key is required (401 otherwise); else the client key, whose id scopes
     what the caller may see (None when no client keys are configured).
     """
-    from gateway.storeproc.store_state import StoreState
+    from flywheel.gateway.storeproc.store_state import StoreState
 
     state = StoreState.of(request)
     if admin:

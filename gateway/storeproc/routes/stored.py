@@ -9,7 +9,7 @@
 Every captured chat completion is "stored" (the gateway captures unless told not to; the
 request's ``store`` flag is not consulted). A client key sees only its own completions;
 with no client keys configured every completion is visible. ``POST /v1/chat/completions``
-(creating one) lives in :mod:`gateway.serving.routes.completions`; only the methods differ.
+(creating one) lives in :mod:`flywheel.gateway.serving.routes.completions`; only the methods differ.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from capture import queries
-from capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
-from capture.store import Store
-from gateway.core.errors import BadRequest
-from gateway.core.http import json_response, read_body
-from gateway.core.openapi import ERRORS, json_body, query
-from gateway.core.protocol import parse_json_object
-from gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
-from gateway.storeproc.store_state import StoreState
+from flywheel.capture import queries
+from flywheel.capture.queries import EVERY_KEY, CompletionFilter, Owner, QueryError
+from flywheel.capture.store import Store
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.openapi import ERRORS, json_body, query
+from flywheel.gateway.core.protocol import parse_json_object
+from flywheel.gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
+from flywheel.gateway.storeproc.store_state import StoreState
 
 router = APIRouter()
 

@@ -25,15 +25,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from capture import export, queries
-from capture.queries import QueryError, TrajectoryFilter
-from capture.store import Store
-from gateway.core.errors import BadRequest
-from gateway.core.http import json_response, read_body
-from gateway.core.openapi import ERRORS, json_body, query
-from gateway.core.protocol import parse_json_object
-from gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
-from gateway.storeproc.store_state import StoreState
+from flywheel.capture import export, queries
+from flywheel.capture.queries import QueryError, TrajectoryFilter
+from flywheel.capture.store import Store
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.core.http import json_response, read_body
+from flywheel.gateway.core.openapi import ERRORS, json_body, query
+from flywheel.gateway.core.protocol import parse_json_object
+from flywheel.gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
+from flywheel.gateway.storeproc.store_state import StoreState
 
 router = APIRouter(prefix="/flywheel/v1")
 

@@ -8,6 +8,6 @@ text, ``toolcalls`` parses Hermes tool calls, ``responses`` shapes OpenAI answer
 
 from __future__ import annotations
 
-from gateway.serving.engines.local.engine import LocalEngine
+from flywheel.gateway.serving.engines.local.engine import LocalEngine
 
 __all__ = ["LocalEngine"]

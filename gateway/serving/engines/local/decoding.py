@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.serving.engines.local.toolcalls import partial_marker_start, tool_call_hold_start
-from gateway.serving.engines.local.vocabulary import Detokenizer
+from flywheel.gateway.serving.engines.local.toolcalls import partial_marker_start, tool_call_hold_start
+from flywheel.gateway.serving.engines.local.vocabulary import Detokenizer
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding parameters of one request (validated by ``gateway.core.protocol`` and the engine's limits)."""
+    """Decoding parameters of one request (validated by ``flywheel.gateway.core.protocol`` and the engine's limits)."""
 
     max_tokens: int
     temperature: float = 1.0

@@ -16,23 +16,23 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.core.config import LocalEngineConfig
-from gateway.core.errors import BadRequest, UpstreamError
-from gateway.serving.engines.base import Body, Chunk
-from gateway.serving.engines.local.prompts import PreparedRequest, Preparer
-from gateway.serving.engines.local.responses import (
+from flywheel.gateway.core.config import LocalEngineConfig
+from flywheel.gateway.core.errors import BadRequest, UpstreamError
+from flywheel.gateway.serving.engines.base import Body, Chunk
+from flywheel.gateway.serving.engines.local.prompts import PreparedRequest, Preparer
+from flywheel.gateway.serving.engines.local.responses import (
     ChatChunks,
     CompletionChunks,
     Result,
     chat_response,
     completion_response,
 )
-from gateway.serving.engines.local.runtime import Runtime, load_runtime, set_threads
-from gateway.serving.engines.local.worker import Run, Step, Worker, call_on_worker
+from flywheel.gateway.serving.engines.local.runtime import Runtime, load_runtime, set_threads
+from flywheel.gateway.serving.engines.local.worker import Run, Step, Worker, call_on_worker
 
 
 class LocalEngine:
-    """The :class:`gateway.serving.engines.base.Engine` for a model loaded in this process."""
+    """The :class:`flywheel.gateway.serving.engines.base.Engine` for a model loaded in this process."""
 
     def __init__(self, config: LocalEngineConfig, data_dir: Path, threads: int = 0) -> None:
         self.config = config

@@ -1,6 +1,6 @@
 """Request preparation: a validated OpenAI body becomes token ids and sampling parameters.
 
-Bodies arrive validated by :mod:`gateway.core.protocol` (types and bounds, one definition of each);
+Bodies arrive validated by :mod:`flywheel.gateway.core.protocol` (types and bounds, one definition of each);
 this module adds only what this engine cannot do or hold: non-text content, ``echo``,
 structured output, ``n`` above ``max_batch_n``, prompts and completions beyond the context.
 
@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 import orjson
 
-from gateway.core.config import LocalEngineConfig
-from gateway.core.errors import BadRequest
-from gateway.serving.engines.base import Body
-from gateway.serving.engines.local.decoding import Sampling
-from gateway.serving.engines.local.runtime import Runtime
+from flywheel.gateway.core.config import LocalEngineConfig
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.serving.engines.base import Body
+from flywheel.gateway.serving.engines.local.decoding import Sampling
+from flywheel.gateway.serving.engines.local.runtime import Runtime
 
 INLINE_BYTES = 16 * 1024  # smaller prompts render and tokenize on the event loop: well under a millisecond
 PREPARE_THREADS = 2  # big prompts at once; more would only compete for the same cores

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.serving.engines.base import Body, Chunk
-from gateway.serving.engines.local.decoding import Delta, Token
-from gateway.serving.engines.local.prompts import PreparedRequest
-from gateway.serving.engines.local.toolcalls import parse_tool_calls
-from gateway.serving.engines.local.vocabulary import Vocabulary
+from flywheel.gateway.serving.engines.base import Body, Chunk
+from flywheel.gateway.serving.engines.local.decoding import Delta, Token
+from flywheel.gateway.serving.engines.local.prompts import PreparedRequest
+from flywheel.gateway.serving.engines.local.toolcalls import parse_tool_calls
+from flywheel.gateway.serving.engines.local.vocabulary import Vocabulary
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens the same way
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from gateway.core.errors import OpenAIError, UpstreamError
-from gateway.serving.engines.local.decoding import Choice, Delta, Sampling, sample
-from gateway.serving.engines.local.runtime import Runtime
+from flywheel.gateway.core.errors import OpenAIError, UpstreamError
+from flywheel.gateway.serving.engines.local.decoding import Choice, Delta, Sampling, sample
+from flywheel.gateway.serving.engines.local.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
