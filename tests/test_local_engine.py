@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.core.config import LocalEngineConfig
-from gateway.core.errors import BadRequest, NotFound, UpstreamError
-from gateway.serving.engines.base import Engine
-from gateway.serving.engines.local import LocalEngine
-from gateway.serving.engines.local.decoding import Choice, Sampling
+from flywheel.gateway.core.config import LocalEngineConfig
+from flywheel.gateway.core.errors import BadRequest, NotFound, UpstreamError
+from flywheel.gateway.serving.engines.base import Engine
+from flywheel.gateway.serving.engines.local import LocalEngine
+from flywheel.gateway.serving.engines.local.decoding import Choice, Sampling
 from tests.support import (
     ADAPTER_TEXT,
     GREETING_MESSAGES,
@@ -81,8 +83,31 @@ def stream_text(chunks: list[dict[str, Any]], index: int = 0) -> str:
 async def test_is_an_engine(engine: LocalEngine) -> None:
     assert isinstance(engine, Engine)
     health = await engine.health()
-    assert health["engine"] == "local" and health["model"] == "tiny" and health["device"] == "cpu"
+    assert health["engine"] == "local" and health["model"] == "tiny"
+    assert health["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # device "auto"
     assert health["adapters"] == [] and health["active_requests"] == 0
+
+
+async def test_decoding_logs_no_deprecation(engine: LocalEngine) -> None:
+    """The engine speaks the transformers API it pins: decoding warns of nothing deprecated (a FutureWarning or a
+    transformers log line would land in the gateway's log)."""
+    from transformers.utils import logging as hf_logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    library = logging.getLogger("transformers")  # transformers' loggers do not propagate to the root
+    hf_logging.warning_once.cache_clear()  # type: ignore[attr-defined]  # a warning logged once per process
+    library.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as warned:  # the decode's worker thread warns into the same list
+            warnings.simplefilter("always")
+            await engine.chat(chat_body())
+            await collect(engine.chat_stream(chat_body(stream=True)))
+    finally:
+        library.removeHandler(handler)
+    said = [r.getMessage() for r in records] + [str(w.message) for w in warned]
+    assert not [line for line in said if "deprecat" in line.lower()], said
 
 
 async def test_not_started_is_an_upstream_error(root: Path) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from gateway.core.config import TINY_MODEL, LocalEngineConfig
-from gateway.core.errors import BadRequest, NotFound, UpstreamError
-from gateway.serving.engines.local.vocabulary import Vocabulary
+from flywheel.gateway.core.config import TINY_MODEL, LocalEngineConfig
+from flywheel.gateway.core.errors import BadRequest, NotFound, UpstreamError
+from flywheel.gateway.serving.engines.local.vocabulary import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ class Runtime:
     def forward(self, input_ids: torch.Tensor, cache: Any, adapter: str | None) -> tuple[torch.Tensor, Any]:
         """Last-position logits (rows x vocab, float32) and the updated KV cache."""
         with torch.no_grad(), self._adapter(adapter):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float(), out.past_key_values
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float(), out.cache
 
     def load_adapter(self, name: str, path: str) -> None:
         from peft import PeftModel
@@ -113,7 +113,7 @@ class Runtime:
 
 def model_source(config: LocalEngineConfig, data_dir: Path) -> Path | str:
     """The directory (or cached Hugging Face id) the configured model loads from."""
-    from trainer.tiny_model import ensure_tiny_model
+    from flywheel.trainer.tiny_model import ensure_tiny_model
 
     if config.model == TINY_MODEL:
         return ensure_tiny_model(data_dir / "models" / "tiny")
