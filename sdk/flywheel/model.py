@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import openai
 from pydantic import BaseModel, PrivateAttr
 
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Model", "TrainableModel"]
 
-_INFERENCE_TIMEOUT = httpx.Timeout(1200.0, connect=5.0)  # long agent turns on a busy engine
+_INFERENCE_TIMEOUT = openai.Timeout(1200.0, connect=5.0)  # long agent turns; openai's own type (3.x: httpx2)
 
 
 class Model(BaseModel):
