@@ -54,3 +54,29 @@ def test_the_wheel_installs_one_namespace_and_its_command_runs(tmp_path: Path) -
     helped = run(env_dir / "bin" / "flywheel", "serve", "--help", cwd=tmp_path)
     assert helped.returncode == 0, helped.stderr[-2000:]
     assert "--config" in helped.stdout
+
+
+def test_the_lock_pins_every_requirement_within_its_range() -> None:
+    """deploy/constraints.txt (what CI installs) names a version of every requirement of every extra, and each
+    version satisfies pyproject's range, so `pip install -c deploy/constraints.txt -e .[...]` resolves."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = (ROOT / "deploy" / "constraints.txt").read_text().splitlines()
+    pins = {canonicalize_name(name): version for name, _, version in
+            (line.partition("==") for line in lines if line and not line.startswith("#"))}
+    requirements = [Requirement(text) for text in project["dependencies"]]
+    requirements += [Requirement(text) for extra in project["optional-dependencies"].values() for text in extra]
+    unpinned, outside = [], []
+    for requirement in requirements:
+        name = canonicalize_name(requirement.name)
+        if name in ("flywheel-rl", "torch"):  # the project itself; torch is the build a machine installs first
+            continue
+        if name not in pins:
+            unpinned.append(name)
+        elif not requirement.specifier.contains(pins[name], prereleases=True):
+            outside.append(f"{name}=={pins[name]} not in {requirement.specifier}")
+    assert not unpinned and not outside, (unpinned, outside)
