@@ -1,6 +1,6 @@
 """RULER judging and reward sources.
 
-    import judge
+    from flywheel import judge
 
     result = await judge.ruler(message_lists, "openai/o3")           # RulerResult: .scores, tokens, cost
     scored = await judge.ruler_score_group(group, "openai/o3", swallow_exceptions=True,

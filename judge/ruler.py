@@ -17,7 +17,7 @@ How one group is judged (see ``docs/judge.md``):
    backoff; other API errors (401, 400, ...) are not.
 
 Only the ranking inside a group matters to GRPO, so the scores need no calibration
-across groups. ``import judge`` does not import litellm (it takes seconds); the first
+across groups. ``import flywheel.judge`` does not import litellm (it takes seconds); the first
 call does, after ``LITELLM_LOCAL_MODEL_COST_MAP=True`` is set unless the user chose
 otherwise, so start-up never waits on a download of the cost map.
 """
