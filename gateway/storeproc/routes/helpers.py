@@ -1,8 +1,5 @@
-"""Helpers every route module shares: reading a bounded body, JSON answers, store calls off the loop.
-
-The store-backed helpers (``admin_store``, ``client_store``, ``run_query``) run in the store
-process; ``read_body`` and ``json_response`` in both processes.
-"""
+"""What the store-backed routes share: the store caught up with the gateway, store calls off the event loop,
+filter errors as 400s naming the parameter, and their 404 (a bounded body and JSON answers: core/http.py)."""
 
 from __future__ import annotations
 
