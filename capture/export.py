@@ -28,7 +28,7 @@ from sqlmodel import select
 
 from flywheel.capture.history import branch_conversation
 from flywheel.capture.models import Trajectory as TrajectoryRow
-from flywheel.capture.queries import TrajectoryFilter
+from flywheel.capture.queries import TrajectoryFilter, openai_finish
 from flywheel.capture.store import Store
 from flywheel.capture.trajectory import Trajectory
 
@@ -117,7 +117,7 @@ def art_trajectories(detail: dict[str, Any]) -> list[Trajectory]:
         items, answers = _conversation(detail, branch)
         for turn_id, position in zip(branch, answers, strict=True):
             turn = turns[turn_id]
-            items[position] = {"finish_reason": turn["finish_reason"] or "stop", "index": turn["choice_index"],
+            items[position] = {**openai_finish(turn["finish_reason"]), "index": turn["choice_index"],
                                "logprobs": None, "message": turn["response_message"]}
         metadata: dict[str, Any] = {k: v for k, v in (leaf["request_metadata"] or {}).items()
                                     if isinstance(v, str | int | float | bool)}

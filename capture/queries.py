@@ -465,10 +465,22 @@ def _completion_turns(session: Session, completion_id: str, owner: Owner) -> lis
                              .order_by(col(Turn.choice_index), col(Turn.id))).all())
 
 
+OPENAI_FINISH_REASONS: Final = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+def openai_finish(finish_reason: str | None) -> dict[str, Any]:
+    """A stored finish reason in OpenAI's words: ``finish_reason``, plus ``flywheel.finish_reason`` when OpenAI has
+    no word for it. An answer that ended any other way (``client_disconnected``) never sampled its end: ``length``,
+    as a cut-off answer reads; one whose engine gave no reason ended whole: ``stop``."""
+    if finish_reason is None or finish_reason in OPENAI_FINISH_REASONS:
+        return {"finish_reason": finish_reason or "stop"}
+    return {"finish_reason": "length", "flywheel": {"finish_reason": finish_reason}}
+
+
 def completion_json(turns: Sequence[Turn]) -> dict[str, Any]:
     """A ``chat.completion`` object rebuilt from the turns of one completion id (one per choice)."""
     first = turns[0]
-    choices = [{"index": t.choice_index, "finish_reason": t.finish_reason, "logprobs": None,
+    choices = [{"index": t.choice_index, **openai_finish(t.finish_reason), "logprobs": None,
                 "message": {"role": "assistant", "content": None, "refusal": None, **(t.response_message or {})}}
                for t in turns]
     completion_tokens = sum(t.completion_tokens for t in turns)

@@ -3,8 +3,8 @@
 It runs uvicorn in a background thread on a free loopback port. Each request to
 ``/v1/chat/completions`` is answered by the test's ``reply`` function, which gets
 the request body and returns a :class:`Reply`: the assistant message, the finish
-reason, and how to misbehave (HTTP status, a delay, a stream that breaks after
-some chunks). Every request body is kept in ``requests`` so tests can assert what
+reason, and how to misbehave (HTTP status, a delay, a stream that breaks or stalls
+after some chunks). Every request body is kept in ``requests`` so tests can assert what
 the gateway sent upstream.
 """
 
@@ -39,6 +39,7 @@ class Reply:
     status: int = 200  # != 200: answer with an OpenAI error body of this status
     delay_s: float = 0.0  # sleep before answering
     break_after_chunks: int | None = None  # streaming: drop the connection after this many chunks
+    stall_after_chunks: int | None = None  # streaming: send nothing more after this many chunks, until hung up on
 
 
 def sample_text(content: str | None, index: int) -> str | None:
@@ -123,6 +124,8 @@ class ScriptedOpenAI:
         for sent, delta in enumerate(deltas):
             if reply.break_after_chunks is not None and sent >= reply.break_after_chunks:
                 raise ConnectionAbortedError("scripted break")  # uvicorn drops the connection mid-body
+            if reply.stall_after_chunks is not None and sent >= reply.stall_after_chunks:
+                await asyncio.Event().wait()  # never set: Starlette cancels this when the gateway hangs up
             chunk: dict[str, Any] = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                                           "finish_reason": None}]}
             if body.get("return_token_ids"):  # vLLM: prompt ids on the first chunk, sampled ids on each

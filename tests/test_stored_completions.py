@@ -1,9 +1,10 @@
 """OpenAI's Stored Completions API over captured traffic, driven by the official ``openai`` client.
 
 One gateway for the module: the upstream engine on a scripted server (known replies, no
-model), two client keys (to prove one never sees the other's completions) and an admin key.
+model), two client keys (to prove one never sees the other's completions), a third whose
+completions are streams cut short, broken or whole, and an admin key.
 Reads see every completion answered before them (the store process catches up first), so
-nothing here polls.
+nothing here polls but for the turn of a stream its client left (the gateway notices that later).
 (A gateway without client keys, where every completion is visible, is exercised in
 ``test_export_cli.py``; choices of one completion and forked siblings in ``test_trajectories_api.py``.)
 """
@@ -19,22 +20,33 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.pagination import SyncCursorPage
+from openai.types.chat import ChatCompletion, ChatCompletionRole, ChatCompletionStoreMessage
+from pydantic import TypeAdapter
 
+from tests.conftest import weather_followup
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import Reply, ScriptedOpenAI
 from tests.test_errors import assert_openai_error
+from tests.waiting import wait_for
 
-KEY_A, KEY_B, ADMIN = "sk-stored-a", "sk-stored-b", "stored-admin"
+KEY_A, KEY_B, KEY_C, ADMIN = "sk-stored-a", "sk-stored-b", "sk-stored-c", "stored-admin"
+LONG_STORY = "Once upon a time there was a story that went on and on"
 
 
 def scripted_reply(body: dict[str, Any]) -> Reply:
-    """``weather`` questions get a tool call; anything else is echoed."""
+    """``weather`` questions get a tool call; ``stall`` and ``break`` a stream that hangs or drops after its
+    first words; anything else is echoed."""
     last = body["messages"][-1]
     text = last["content"] if isinstance(last["content"], str) else "".join(p["text"] for p in last["content"])
     if "weather" in text:
         call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                                  "arguments": json.dumps({"city": "Oslo"})}}
         return Reply(content=None, tool_calls=[call], finish_reason="tool_calls")
+    if text == "stall":
+        return Reply(content=LONG_STORY, stall_after_chunks=3)
+    if text == "break":
+        return Reply(content=LONG_STORY, break_after_chunks=3)
     return Reply(content=f"echo {text}")
 
 
@@ -59,7 +71,7 @@ admin_key = "{admin}"
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     with ScriptedOpenAI(reply=scripted_reply) as upstream:
-        process = GatewayProcess(tmp_path_factory.mktemp("stored"), gateway_config(upstream, KEY_A, KEY_B,
+        process = GatewayProcess(tmp_path_factory.mktemp("stored"), gateway_config(upstream, KEY_A, KEY_B, KEY_C,
                                                                                    admin=ADMIN)).start()
         yield process
         process.stop()
@@ -73,6 +85,12 @@ def client_a(gateway: GatewayProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def client_b(gateway: GatewayProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY_B, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client_c(gateway: GatewayProcess) -> openai.OpenAI:
+    """Key C's completions are the streams below, apart from the other tests' completions."""
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY_C, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +237,70 @@ def test_creating_still_works_on_the_same_path(client_a: openai.OpenAI) -> None:
     assert reply.choices[0].message.content == "echo again"
     assert client_a.chat.completions.retrieve(reply.id).id == reply.id  # readable as soon as it was answered
     assert reply.id in [c.id for c in client_a.chat.completions.list(order="desc", limit=3)]
+
+
+def leave_after_first_content(client: openai.OpenAI, messages: list[dict[str, Any]]) -> str:
+    """Start a stream, read up to its first piece of content, hang up; the completion id."""
+    stream = client.chat.completions.create(model="gpt-4o", messages=messages, stream=True)  # type: ignore[arg-type]
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stream.close()
+            return chunk.id
+    raise AssertionError("the stream ended before any content")
+
+
+def read_to_the_end(client: openai.OpenAI, messages: list[dict[str, Any]]) -> str:
+    stream = client.chat.completions.create(model="gpt-4o", messages=messages, stream=True)  # type: ignore[arg-type]
+    ids = [chunk.id for chunk in stream]  # every chunk read: the stream ends as the server ended it
+    return ids[0]
+
+
+@pytest.fixture(scope="module")
+def streams(client_c: openai.OpenAI) -> dict[str, str]:
+    """Key C's streams: one the client cut short (after a tool round trip), one the upstream broke, two
+    read to their end; the ids of those stored."""
+    cut = leave_after_first_content(client_c, [*weather_followup("call_9"), {"role": "user", "content": "stall"}])
+    with pytest.raises(openai.APIError):
+        read_to_the_end(client_c, [{"role": "user", "content": "break"}])
+    done = read_to_the_end(client_c, [{"role": "user", "content": "all of it"}])
+    tool = read_to_the_end(client_c, [{"role": "user", "content": "weather?"}])
+    # The disconnect is noticed by the gateway after the client left: wait for its turn to be recorded.
+    wait_for(lambda: cut in [c.id for c in client_c.chat.completions.list(limit=100)], "the cut stream's turn")
+    return {"cut": cut, "done": done, "tool": tool}
+
+
+def test_streams_cut_broken_or_whole_list_inside_openais_schema(client_c: openai.OpenAI,
+                                                                streams: dict[str, str]) -> None:
+    raw = client_c.chat.completions.with_raw_response.list(limit=100)
+    page = SyncCursorPage[ChatCompletion].model_validate(raw.http_response.json())  # strict: every enum checked
+    listed = raw.parse()  # the broken stream is not among them: an exchange that failed is not captured
+    assert [c.id for c in page.data] == [c.id for c in listed.data] == [streams["cut"], streams["done"],
+                                                                        streams["tool"]]
+    reasons = {c.id: c.choices[0].finish_reason for c in listed.data}
+    assert reasons == {streams["cut"]: "length", streams["done"]: "stop", streams["tool"]: "tool_calls"}
+
+
+def test_a_cut_stream_reads_as_truncated_with_flywheels_reason(client_c: openai.OpenAI,
+                                                               streams: dict[str, str]) -> None:
+    raw = client_c.chat.completions.with_raw_response.retrieve(streams["cut"])
+    ChatCompletion.model_validate(raw.http_response.json())
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "length"  # the answer has no end: cut short, as by a token limit
+    assert choice.model_extra == {"flywheel": {"finish_reason": "client_disconnected"}}
+    assert choice.message.role == "assistant" and choice.message.content
+    assert LONG_STORY.startswith(choice.message.content) and choice.message.content != LONG_STORY
+    whole = client_c.chat.completions.retrieve(streams["done"]).choices[0]
+    assert whole.finish_reason == "stop" and whole.model_extra == {}  # nothing to add when the model finished
+    tool = ChatCompletion.model_validate(client_c.chat.completions.with_raw_response.retrieve(
+        streams["tool"]).http_response.json()).choices[0]
+    assert tool.message.tool_calls is not None and tool.message.tool_calls[0].type == "function"
+
+
+def test_a_cut_streams_messages_keep_openais_roles(client_c: openai.OpenAI, streams: dict[str, str]) -> None:
+    raw = client_c.chat.completions.messages.with_raw_response.list(streams["cut"])
+    data = raw.http_response.json()["data"]
+    roles = TypeAdapter(list[ChatCompletionRole]).validate_python([m["role"] for m in data])
+    assert roles == ["user", "assistant", "tool", "user"] == [m.role for m in raw.parse().data]
+    # OpenAI's model of a stored message only knows the assistant's: the history's tool call passes it
+    call = ChatCompletionStoreMessage.model_validate(data[1]).tool_calls
+    assert call is not None and call[0].type == "function" and call[0].id == "call_9"

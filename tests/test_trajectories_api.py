@@ -17,6 +17,8 @@ import duckdb
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
+from openai.types.chat.chat_completion import Choice
 
 from flywheel.capture import queries
 from flywheel.capture.export import art_trajectories, export_parquet, openai_examples
@@ -183,17 +185,18 @@ def test_delete_by_id_then_by_client_key(admin: httpx.Client, made: dict[str, st
 # -- the same rules on a DuckDB file, with scores, feedback and groups (no gateway) ------------------------------
 
 def turn(turn_id: str, trajectory_id: str, parent: str | None, depth: int, at: datetime, *,
-         messages: list[dict[str, Any]], answer: str, key: str | None = "key_a") -> Turn:
+         messages: list[dict[str, Any]], answer: str, key: str | None = "key_a", finish_reason: str = "stop") -> Turn:
     return Turn(id=turn_id, trajectory_id=trajectory_id, parent_turn_id=parent, depth=depth,
                 completion_id=f"c-{turn_id}", created_at=at, requested_model="gpt-4o", alias="agent",
                 engine_model="agent", client_key_id=key,
                 request_messages=messages, response_message={"role": "assistant", "content": answer},
-                finish_reason="stop", prompt_tokens=3, completion_tokens=2, h_ctx="x", h_out=f"h-{turn_id}")
+                finish_reason=finish_reason, prompt_tokens=3, completion_tokens=2, h_ctx="x", h_out=f"h-{turn_id}")
 
 
 @pytest.fixture
 def tree_store(tmp_path: Path) -> Iterator[Store]:
-    """traj_t: t1 -> t2 -> t3 and t1 -> t4 (scored twice, with feedback, in a group); traj_u: u1 (key b)."""
+    """traj_t: t1 -> t2 -> t3 and t1 -> t4 (cut short by its client; scored twice, with feedback, in a group);
+    traj_u: u1 (key b)."""
     store = Store(tmp_path / "tree.duckdb")
     at = datetime(2025, 1, 1, tzinfo=UTC)
     u = [{"role": "user", "content": "q"}]
@@ -213,7 +216,7 @@ def tree_store(tmp_path: Path) -> Iterator[Store]:
                          answer="a3"))
         session.add(turn("t4", "traj_t", "t1", 1, at + timedelta(seconds=3), messages=[*a1, {"role": "user",
                                                                                           "content": "q4"}],
-                         answer="a4"))
+                         answer="a4", finish_reason="client_disconnected"))
         session.add(turn("u1", "traj_u", None, 0, at + timedelta(1), messages=u, answer="b", key="key_b"))
         session.add(Score(id="s1", trajectory_id="traj_t", source="ruler", value=0.25, created_at=at))
         session.add(Score(id="s2", trajectory_id="traj_t", source="ruler", value=0.75, created_at=at + timedelta(1)))
@@ -238,6 +241,8 @@ def test_file_rewards_branches_and_exports(tree_store: Store, tmp_path: Path) ->
     assert art[0].reward == 0.75 and [m.get("message", m)["content"] for m in art[0].messages_and_choices] == \
         ["q", "a1", "q2", "a2", "q3", "a3"]
     assert sum("finish_reason" in m for m in art[0].messages_and_choices) == 3  # the model's own answers
+    cut = Choice.model_validate(art[1].messages_and_choices[-1])  # as ART (OpenAI's Choice) reads it
+    assert cut.finish_reason == "length" and cut.model_extra == {"flywheel": {"finish_reason": "client_disconnected"}}
     written = export_parquet(tree_store, tmp_path / "pq", TrajectoryFilter(has_reward=True))
     assert (written.trajectories, written.turns) == (1, 4)
     rows = duckdb.execute(f"select id, parent_turn_id from '{written.turns_path}' order by id").fetchall()
@@ -274,6 +279,9 @@ def test_file_completion_choices_exclude_forked_siblings(tree_store: Store) -> N
     completion = queries.get_completion(tree_store, "c-t4", queries.EVERY_KEY)
     assert completion is not None
     assert [(c["index"], c["message"]["content"]) for c in completion["choices"]] == [(0, "a4"), (1, "other 1")]
+    choices = ChatCompletion.model_validate(completion).choices  # only the cut choice says so
+    assert [(c.finish_reason, c.model_extra) for c in choices] == [
+        ("length", {"flywheel": {"finish_reason": "client_disconnected"}}), ("stop", {})]
     assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert queries.get_completion(tree_store, "c-t4", "key_b") is None
     listed = queries.list_completions(tree_store, "key_a", queries.CompletionFilter(model="agent"))
