@@ -19,7 +19,10 @@ Rules, first match wins (docs/capture.md has an example of each):
    must all lie in one trajectory; otherwise the evidence is ambiguous and is refused.
 4. **prefix** on an older assistant message, when the latest matched nothing (the client
    edited the model's last answer): a branch from the turn the request still repeats.
-5. **new**: a trajectory of its own.
+5. **summary**: a request holding no assistant message quotes, in a message before its last, an answer the
+   gateway gave (a summary the model wrote, sent in place of the history); the turns that gave it must lie
+   in one trajectory, one of them unclaimed.
+6. **new**: a trajectory of its own.
 
 Several writers (gateway replicas on one PostgreSQL store, docs/storage.md): a batch locks the
 trajectories it may continue (``SELECT ... FOR UPDATE``, in id order) before it reads which of
@@ -31,10 +34,12 @@ replica that answered it may not have written it yet.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -86,6 +91,11 @@ DISTINCT_ANSWER_CHARS = 40
 # Evidence more stored turns share than this ("OK" after "thanks") settles no link: the tail rule refuses it as
 # ambiguous without reading them all (bench/replicas.py: 413 ms a request at 10k such turns when it read them).
 TAIL_CANDIDATES = 32
+# A summary follows its template's label ("Summary of the conversation so far: ...") or a line break: the summary rule
+# tries a message whole and from after each of its first QUOTE_STARTS colons or line breaks, never every substring.
+_QUOTE_START = re.compile(r"[:\n]\s*")
+QUOTE_STARTS = 4
+_QUOTING_ROLES = ("system", "developer", "user")
 
 
 @dataclass
@@ -110,9 +120,17 @@ class _Tail:
 
 
 @dataclass(frozen=True)
+class _Quote:
+    """Text of a request's message that may be an answer the gateway gave, quoted (the summary rule)."""
+
+    index: int  # the quoting message's position in the request
+    answer: str  # message_hash of the text as an assistant answer
+
+
+@dataclass(frozen=True)
 class _Match:
     parent: _Candidate
-    how: str  # prefix | tail | latest
+    how: str  # prefix | tail | summary | latest
     position: int | None  # where the parent's answer sits in the request (None: it does not)
 
 
@@ -124,8 +142,8 @@ class TrajectoryLinker:
     merged; if all are claimed, the client rewound or retried and the new turn starts a
     branch (when they lie in one trajectory). A tail match must be unambiguous: where it is
     not, a new trajectory is better than a wrong link. ``counts`` tallies each turn's rule
-    (``link_prefix``, ``link_tail``, ``link_explicit``, ``link_new``) and the tails refused
-    (``tail_ambiguous``).
+    (``link_prefix``, ``link_tail``, ``link_summary``, ``link_explicit``, ``link_new``) and the tails and
+    quoted summaries refused (``tail_ambiguous``).
 
     :meth:`prefetch` reads every candidate a batch can need: the last assistant prefix of
     every request (``h_out IN (...)``), then, for the requests it did not resolve, their
@@ -148,6 +166,7 @@ class TrajectoryLinker:
         self._latest: dict[str, _Candidate] = {}  # explicit trajectories' latest turns
         self._candidates: dict[str, _Candidate] = {}  # by turn id
         self._tails: dict[str, _Tail | None] = {}  # by the new turn's id
+        self._quotes: dict[str, list[_Quote]] = {}  # by the new turn's id
         self._rewritten: list[tuple[dict[str, Any], str]] = []  # (turn, parent id): history_edits to compute
         self._batch_turns: dict[str, dict[str, Any]] = {}  # this batch's turns by id
         self.turns: list[dict[str, Any]] = []
@@ -168,7 +187,10 @@ class TrajectoryLinker:
             if hashes and hashes[0] not in answered_in_batch and not self._resolves(item, hashes[0]):
                 unresolved.append(item)
             answered_in_batch.add(item.row["h_out"])
-        self._probe_answers({(tail.answer, tail.replied_to) for tail in map(self._tail, unresolved) if tail})
+        # A request without assistant messages may quote a summary the model wrote: probed with the tails.
+        quoted = {(quote.answer, None) for item in linkable if not item.explicit_trajectory_id
+                  for quote in self._quoted(item)}
+        self._probe_answers({(tail.answer, tail.replied_to) for tail in map(self._tail, unresolved) if tail} | quoted)
         # Older prefixes (rule 4) only where the tail settles nothing: a request whose history changed
         # has several of them, and each is a probe (~35 us).
         self._probe({h for item in unresolved if not self._tail_pool(item) for h in item.assistant_prefix_hashes[1:]}
@@ -266,6 +288,26 @@ class TrajectoryLinker:
                                              message_hash(messages[index - 1]) if index else None, distinct)
         return self._tails[turn_id]
 
+    def _quoted(self, item: PreparedTurn) -> list[_Quote]:
+        """In a request holding no assistant message, the system, developer and user messages before its last one,
+        whole and from after each of their first QUOTE_STARTS colons or line breaks (as sent and stripped), that are
+        at least DISTINCT_ANSWER_CHARS long: hashed as an answer would be, once per turn."""
+        turn_id = item.row["id"]
+        if turn_id not in self._quotes:
+            quotes: dict[str, _Quote] = {}
+            messages = item.row["request_messages"] or []
+            for index, message in enumerate(messages[:-1] if not item.assistant_prefix_hashes else ()):
+                text = content_text(message.get("content")) if message.get("role") in _QUOTING_ROLES else ""
+                if len(text) < DISTINCT_ANSWER_CHARS:
+                    continue
+                starts = [0, *(m.end() for m in islice(_QUOTE_START.finditer(text), QUOTE_STARTS))]
+                for quoted in {variant for start in starts for variant in (text[start:], text[start:].strip())}:
+                    if len(quoted) >= DISTINCT_ANSWER_CHARS:
+                        h = message_hash({"role": "assistant", "content": quoted})
+                        quotes.setdefault(h, _Quote(index, h))
+            self._quotes[turn_id] = list(quotes.values())
+        return self._quotes[turn_id]
+
     def awaits_parent(self, item: PreparedTurn) -> bool:
         """Whether no stored turn (of its client key; of its explicit trajectory, when it names one) that gave the
         request's last assistant message is unclaimed, by prefix or by tail, nor one this batch linked so far.
@@ -351,10 +393,10 @@ class TrajectoryLinker:
         return [vars(t) for t in self._trajectories.values()]
 
     def _find_parent(self, item: PreparedTurn) -> _Match | None:
-        """Rules 2-4: the last assistant prefix, the tail, the older prefixes."""
+        """Rules 2-5: the last assistant prefix, the tail, the older prefixes; without any, a quoted summary."""
         hashes = item.assistant_prefix_hashes
-        if not hashes:  # a first request: nothing to continue
-            return None
+        if not hashes:  # no answer in the history: a first request, or one a summary stands for
+            return self._summary_match(item)
         last = _last_assistant(item.row["request_messages"] or [])
         if last is None:
             return None
@@ -430,6 +472,25 @@ class TrajectoryLinker:
                 return None
             pool = candidates if tail.distinct else []
         return pool if len({c.trajectory_id for c in pool}) == 1 else []
+
+    def _summary_match(self, item: PreparedTurn) -> _Match | None:
+        """Rule 5: the stored turns (same key) whose answer the request quotes must all lie in one trajectory, and
+        one must be unclaimed: the latest of those is the parent. An answer already continued (a document summary
+        pasted into every new conversation, a retry) links nothing; a refusal is counted with the tails'."""
+        found: list[tuple[_Quote, _Candidate]] = []
+        for quote in self._quoted(item):
+            if (quote.answer, None) in self._popular:
+                self.counts["tail_ambiguous"] += 1
+                return None
+            found += [(quote, c) for c in self._by_answer.get((quote.answer, None), ())
+                      if c.client_key_id == item.row["client_key_id"]]
+        unclaimed = [(quote, c) for quote, c in found if not c.has_children]
+        if len({c.trajectory_id for _, c in found}) == 1 and unclaimed:
+            quote, parent = max(unclaimed, key=lambda pair: pair[1].depth)
+            return _Match(parent, "summary", quote.index)
+        if found:
+            self.counts["tail_ambiguous"] += 1
+        return None
 
     def _parent_in(self, trajectory_id: str, item: PreparedTurn) -> _Match | None:
         """Rule 1: inside an explicit trajectory, rules 2-4 restricted to it, else its latest turn."""

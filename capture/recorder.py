@@ -122,7 +122,7 @@ class Recorder:
         self.retry_s = retry_s
         self.queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=queue_size)  # CapturedExchange lines
         # Turns: queued, written, spooled, reingested, failed; and how written turns were linked
-        # (link_prefix, link_tail, link_explicit, link_new) and the tails refused (tail_ambiguous).
+        # (link_prefix, link_tail, link_summary, link_explicit, link_new) and the evidence refused (tail_ambiguous).
         self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None

@@ -55,7 +55,7 @@ class _CaptureCollector(Collector):
         yield family
         links = CounterMetricFamily("flywheel_capture_links", "Written turns by the rule that linked them.",
                                     labels=["rule"])
-        for rule in ("prefix", "tail", "explicit", "new"):
+        for rule in ("prefix", "tail", "summary", "explicit", "new"):
             links.add_metric([rule], self.stats[f"link_{rule}"])
         yield links
         yield CounterMetricFamily("flywheel_capture_tail_ambiguous",
