@@ -92,7 +92,7 @@ DISTINCT_ANSWER_CHARS = 40
 # ambiguous without reading them all (bench/replicas.py: 413 ms a request at 10k such turns when it read them).
 TAIL_CANDIDATES = 32
 # A summary follows its template's label ("Summary of the conversation so far: ...") or a line break: the summary rule
-# tries a message whole and from after each of its first QUOTE_STARTS colons or line breaks, never every substring.
+# tries a message from after each of its first QUOTE_STARTS colons or line breaks, never whole, never every substring.
 _QUOTE_START = re.compile(r"[:\n]\s*")
 QUOTE_STARTS = 4
 _QUOTING_ROLES = ("system", "developer", "user")
@@ -290,7 +290,7 @@ class TrajectoryLinker:
 
     def _quoted(self, item: PreparedTurn) -> list[_Quote]:
         """In a request holding no assistant message, the system, developer and user messages before its last one,
-        whole and from after each of their first QUOTE_STARTS colons or line breaks (as sent and stripped), that are
+        from after each of their first QUOTE_STARTS colons or line breaks (as sent and stripped), that are
         at least DISTINCT_ANSWER_CHARS long: hashed as an answer would be, once per turn."""
         turn_id = item.row["id"]
         if turn_id not in self._quotes:
@@ -300,7 +300,8 @@ class TrajectoryLinker:
                 text = content_text(message.get("content")) if message.get("role") in _QUOTING_ROLES else ""
                 if len(text) < DISTINCT_ANSWER_CHARS:
                     continue
-                starts = [0, *(m.end() for m in islice(_QUOTE_START.finditer(text), QUOTE_STARTS))]
+                # never the whole message: an answer handed on verbatim as a prompt (a sub-agent's task) is not a summary
+                starts = [m.end() for m in islice(_QUOTE_START.finditer(text), QUOTE_STARTS)]
                 for quoted in {variant for start in starts for variant in (text[start:], text[start:].strip())}:
                     if len(quoted) >= DISTINCT_ANSWER_CHARS:
                         h = message_hash({"role": "assistant", "content": quoted})

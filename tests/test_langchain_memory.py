@@ -334,3 +334,25 @@ def test_a_summary_pasted_into_several_new_conversations_links_at_most_one(gatew
     assert len(held) == 2  # the summary's turn and one conversation
     assert delta(before, result.counts, "flywheel_capture_links:summary") == 1
     assert delta(before, result.counts, "flywheel_capture_tail_ambiguous") == 2
+
+
+@STREAMS
+def test_an_answer_handed_on_whole_as_a_prompt_is_not_a_summary(gateway: GatewayProcess, key: str,
+                                                                 stream: bool) -> None:
+    """An orchestrator's answer given verbatim as a worker's task (a sub-agent without tags): two conversations."""
+    planner = Conversation("You plan trips.", ["Write the task for the booking agent."], trimmed(100, len))
+
+    async def plan() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0) as client:
+            await planner.step(client, stream=stream)
+
+    asyncio.run(plan())
+    task = str(planner.history[-1].content)
+    (worker,) = conversations(trimmed(100, len), "You book trips.", count=1)
+    worker.history.insert(0, HumanMessage(task))  # the planner's answer, whole, as the worker's first message
+    before = capture_counts(gateway)
+    asyncio.run(converse(gateway, key, [worker], stream=stream))
+    result = stored(gateway, key)
+    (mine,) = of(result, worker)
+    assert {turn["completion_id"] for turn in mine["turns"]} == set(worker.completion_ids)  # none of the planner's
+    assert delta(before, result.counts, "flywheel_capture_links:summary") == 0
