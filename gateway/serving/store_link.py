@@ -126,6 +126,8 @@ class StoreLink:
                 await proc.wait()
         if proc is not None and proc.returncode != 0:  # it did not drain: what it never acknowledged may be lost
             await self._keep_unacknowledged()
+        if self._acks is not None:
+            self._acks.cancel()  # done: a clean exit wrote everything it read
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- capture -----------------------------------------------------------------------------------------
