@@ -572,6 +572,9 @@ class ParentWait:
     def __len__(self) -> int:
         return len(self._turns)
 
+    def ids(self) -> set[str]:
+        return {item.row["id"] for item in self._turns}
+
     def may_wait(self, item: PreparedTurn) -> bool:
         deadline = self._deadlines.get(item.row["id"])
         return self.wait_s > 0 and (deadline is None or time.monotonic() < deadline)

@@ -16,9 +16,11 @@
   answer is not stored yet is held back and tried again with each batch, at least every
   ``batch_wait_s``, for up to ``link_wait_s`` (``capture/linker.py: ParentWait``).
 
-Durability window: a turn is durable once its batch commits, at most ``batch_wait_s``
-plus one batch's write time after ``submit`` (plus ``link_wait_s`` for a held turn); a
-SIGKILL of this process inside that window loses it (docs/capture.md has the whole path's window).
+Durability: a turn is durable once its batch commits (or it is spooled), at most ``batch_wait_s``
+plus one batch's write time after ``submit`` (plus ``link_wait_s`` for a held turn). Every submitted
+line is numbered; ``durable`` is the highest number up to which every line is durable, and
+``on_durable`` hears each advance: the store process acknowledges the gateway's stream with it, and the
+gateway keeps what is not acknowledged yet, so a SIGKILL of this process loses nothing (docs/capture.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -120,23 +123,30 @@ class Recorder:
         self.batch_size = batch_size
         self.batch_wait_s = batch_wait_s
         self.retry_s = retry_s
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=queue_size)  # CapturedExchange lines
+        # CapturedExchange lines, each with its number (``accepted`` when it was submitted)
+        self.queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=queue_size)
+        self.accepted = 0  # lines submitted so far
+        self.durable = 0  # every line numbered up to this is written, spooled, or failed for good
+        self.on_durable: Callable[[int], None] | None = None
         # Turns: queued, written, spooled, reingested, failed; and how written turns were linked
         # (link_prefix, link_tail, link_summary, link_explicit, link_new) and the evidence refused (tail_ambiguous).
         self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None
         self._retry_task: asyncio.Task[None] | None = None
-        self._collecting: list[bytes] = []  # the batch being filled (drain writes it too)
+        self._collecting: list[tuple[int, bytes]] = []  # the batch being filled (drain writes it too)
         self._writing: asyncio.Future[None] | None = None  # the batch being written (drain awaits it)
         self._write_now = asyncio.Event()  # set by flush(): write the batch being collected at once
         self.waiting = ParentWait(link_wait_s)  # turns whose parent another replica may still be writing
-        self._next: asyncio.Future[bytes] | None = None  # the queue read in progress (kept across timeouts)
+        self._next: asyncio.Future[tuple[int, bytes]] | None = None  # the queue read in progress (kept over timeouts)
+        self._held_lines: dict[str, int] = {}  # a held turn's id: its line's number (it is not durable yet)
 
     def submit(self, line: bytes) -> None:
-        """Hand over a finished exchange (:meth:`CapturedExchange.to_line`); never blocks, never raises."""
+        """Hand over a finished exchange (:meth:`CapturedExchange.to_line`); never blocks, never raises.
+        Its number is ``accepted`` right after."""
+        self.accepted += 1
         try:
-            self.queue.put_nowait(line)
+            self.queue.put_nowait((self.accepted, line))
             self.stats["queued"] += 1
         except asyncio.QueueFull:
             self.spool.keep(prepare_lines([line], self.redactor, self.stats), self.stats)
@@ -196,7 +206,7 @@ class Recorder:
             await asyncio.shield(self._writing)
             self._writing = None
 
-    async def _read(self, timeout_s: float | None) -> bytes | None:
+    async def _read(self, timeout_s: float | None) -> tuple[int, bytes] | None:
         """The next line from the queue, or None after ``timeout_s``; the read stays pending for the next call (a
         cancelled ``queue.get`` could drop a line it had just taken)."""
         if self._next is None:
@@ -207,14 +217,26 @@ class Recorder:
         line, self._next = self._next.result(), None
         return line
 
-    async def _write(self, batch: list[bytes]) -> None:
+    async def _write(self, batch: list[tuple[int, bytes]]) -> None:
         try:
             self.stats.update(await asyncio.to_thread(self._persist, batch))
         except Exception:  # the writer task must outlive any batch: a dead one would leave every later turn queued
             log.exception("could not write or spool a batch of %d exchanges", len(batch))
             self.stats["failed"] += len(batch)
+        if batch:
+            self._advance(batch[-1][0])
 
-    def _persist(self, batch: list[bytes]) -> Counter[str]:
+    def _advance(self, last: int) -> None:
+        """Lines up to ``last`` (the batch just written) are durable, but for those with a turn still held."""
+        held = self.waiting.ids()
+        self._held_lines = {turn_id: line for turn_id, line in self._held_lines.items() if turn_id in held}
+        durable = min([last, *(line - 1 for line in self._held_lines.values())])
+        if durable > self.durable:
+            self.durable = durable
+            if self.on_durable is not None:
+                self.on_durable(durable)
+
+    def _persist(self, batch: list[tuple[int, bytes]]) -> Counter[str]:
         """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.
 
         Everything the batch allocates dies here, on this thread, by reference counting: the cyclic
@@ -227,9 +249,9 @@ class Recorder:
         finally:
             gc.enable()
 
-    def _prepare_and_write(self, batch: list[bytes]) -> Counter[str]:
+    def _prepare_and_write(self, batch: list[tuple[int, bytes]]) -> Counter[str]:
         outcome: Counter[str] = Counter()
-        prepared = self.waiting.take() + prepare_lines(batch, self.redactor, outcome)  # held ones first: oldest
+        prepared = self.waiting.take() + self._prepare(batch, outcome)  # held ones first: oldest
         if self.store_ok:
             try:
                 outcome["written"] += self.store.write_turns(prepared, counts=outcome, waiting=self.waiting)
@@ -240,6 +262,17 @@ class Recorder:
                 self.store_ok = False
         self.spool.keep(prepared, outcome)
         return outcome
+
+    def _prepare(self, batch: list[tuple[int, bytes]], outcome: Counter[str]) -> list[PreparedTurn]:
+        """The batch's turns; where turns may be held (``link_wait_s``), each turn's line number is noted too."""
+        if not self.waiting.wait_s:
+            return prepare_lines([line for _, line in batch], self.redactor, outcome)
+        prepared: list[PreparedTurn] = []
+        for number, line in batch:
+            turns = prepare_lines([line], self.redactor, outcome)
+            self._held_lines.update((turn.row["id"], number) for turn in turns)  # _advance keeps the held ones
+            prepared += turns
+        return prepared
 
     async def _reingest_loop(self) -> None:
         while True:

@@ -250,7 +250,7 @@ class Store:
         """Link and insert turns in one transaction; returns how many were written.
 
         ``skip_stored`` (re-ingesting a spool, which may hold turns already written before a
-        crash) first drops the turns whose ids are stored; fresh turns need no such query.
+        crash) first drops the turns whose ids are stored, and repeats of an id; fresh turns need no such query.
         ``counts`` receives the linker's tallies (each turn's rule, the tails refused) once committed.
         ``waiting`` holds back the turns whose last answer no stored turn gave yet, while they may wait
         (another replica may still be writing it): they are not written now, and the caller passes them
@@ -286,7 +286,12 @@ class Store:
                 ids = [p.row["id"] for p in prepared]
                 for chunk in chunks(ids, 500):
                     known |= set(session.exec(select(Turn.id).where(col(Turn.id).in_(chunk))))
-            todo = [item for item in prepared if item.row["id"] not in known]
+            todo = []
+            for item in prepared:
+                if item.row["id"] not in known:
+                    todo.append(item)
+                    if skip_stored:  # a spool may hold a turn twice (the gateway spooled what the store had)
+                        known.add(item.row["id"])
             linker = TrajectoryLinker(session, lock=self.shared)
             linker.prefetch(todo)
             held = []

@@ -8,6 +8,7 @@ redaction, and the exact token ids and logprobs when the engine returned them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import Counter
@@ -27,6 +28,11 @@ _NOT_PARAMS = {"messages", "prompt", "tools", "metadata", "model", "stream", "st
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(16).hex()}"  # 128 random bits, as uuid4().hex but ~8x cheaper
+
+
+def turn_id(exchange_id: str, position: int) -> str:
+    """The id of the turn of the ``position``-th choice: the same every time its exchange is prepared."""
+    return "turn_" + hashlib.blake2b(f"{exchange_id}/{position}".encode(), digest_size=16).hexdigest()
 
 
 @dataclass
@@ -50,6 +56,8 @@ class CapturedExchange:
     group_id: str | None = None  # X-Flywheel-Group-Id
     source: str = "client"  # "client" | "fork"
     client_choices: int | None = None  # forked request: choices from this index on are siblings the client never saw
+    # Fixed where the exchange is made: its turns' ids derive from it, so a resent or re-spooled exchange is skipped.
+    exchange_id: str = field(default_factory=lambda: os.urandom(16).hex())
 
     def to_line(self) -> bytes:
         """One JSON line, as the gateway streams it to the store process (orjson: ~10 us, no copies)."""
@@ -112,7 +120,7 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
         index = int(choice.get("index", 0))
         forked = exchange.client_choices is not None and index >= exchange.client_choices
         row: dict[str, Any] = {
-            "id": new_id("turn"),
+            "id": turn_id(exchange.exchange_id, position),
             "completion_id": exchange.completion_id,
             "choice_index": index,
             "source": "fork" if forked else exchange.source,

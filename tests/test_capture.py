@@ -12,7 +12,9 @@ import json
 import os
 import signal
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -299,10 +301,9 @@ def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: Scr
     assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(20))  # type: ignore
 
 
-def test_store_process_sigkill_loses_nothing_outside_the_durability_window(tmp_path: Path,
-                                                                           upstream: ScriptedOpenAI) -> None:
-    """A killed store process loses at most its open batch (batch_wait_s + one write); the gateway
-    restarts it, and what is answered meanwhile goes to the spool and then to the store."""
+def test_a_killed_store_process_is_restarted_and_fails_no_client(tmp_path: Path, upstream: ScriptedOpenAI) -> None:
+    """The gateway restarts a killed store process, and what is answered meanwhile goes to the spool and then
+    to the store."""
     gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 0.05\nretry_s = 0.3\n")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     ask = lambda i: client.chat.completions.create(  # noqa: E731
@@ -320,6 +321,40 @@ def test_store_process_sigkill_loses_nothing_outside_the_durability_window(tmp_p
     wait_for(lambda: capture_counts(gateway)["reingested"] + capture_counts(gateway)["written"] >= 10)
     _, turns = stored(gateway)
     assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(30))  # type: ignore
+
+
+def test_store_process_sigkill_under_load_stores_every_turn_once(tmp_path: Path, upstream: ScriptedOpenAI) -> None:
+    """Killed with a batch open (read from its socket, not yet written) under concurrent load, half of it streamed,
+    the store process loses no turn: the gateway spools what it had not acknowledged, and re-ingesting skips
+    what the dead process had committed after all, so no turn is stored twice."""
+    gateway = start_gateway(tmp_path, upstream, "[capture]\nretry_s = 0.3\n")  # batch_wait_s: 1 s, a wide window
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    total, answered = 400, Counter[str]()
+
+    def ask(i: int) -> None:
+        messages: list[Any] = [{"role": "user", "content": f"n{i}"}]
+        if i % 2:
+            chunks = client.chat.completions.create(model="gpt-4o", messages=messages, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == f"echo n{i}"
+        else:
+            assert client.chat.completions.create(model="gpt-4o", messages=messages).choices[0].message.content
+        answered[f"n{i}"] += 1
+
+    with ThreadPoolExecutor(16) as pool:
+        requests = [pool.submit(ask, i) for i in range(total)]
+        wait_for(lambda: len(answered) >= total // 4, "a quarter of the requests answered")
+        wait_for(lambda: (counts := capture_counts(gateway))["queued"] > counts.get("written", 0) + 50,
+                 "turns read by the store process and not yet written")
+        gateway.store_process.kill()
+        for request in requests:
+            request.result()  # no client notices
+    wait_for(lambda: httpx.get(f"{gateway.url}/healthz").json()["store"] == "ok", "the store process back")
+    gateway.children = psutil.Process(gateway.proc.pid).children()  # type: ignore[union-attr]  # the new one
+    spool = gateway.dir / "data" / "spool" / "turns.jsonl"
+    wait_for(lambda: not (spool.exists() and spool.stat().st_size) and not list(spool.parent.glob("*.ingesting-*")),
+             "the spool re-ingested", timeout_s=30)
+    _, turns = stored(gateway)
+    assert Counter(t.request_messages[0]["content"] for t in turns) == answered  # type: ignore[index]
 
 
 def test_sigterm_drains_the_queue(tmp_path: Path, upstream: ScriptedOpenAI) -> None:

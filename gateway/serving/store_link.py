@@ -6,8 +6,14 @@ path capture costs one ``orjson.dumps`` of the exchange (a big one is serialized
 :mod:`flywheel.gateway.serving.exchange_lines`) and, every ``capture.handoff_s``
 (50 ms), one socket write for all the exchanges finished in it.
 
-When the store process cannot take an exchange (it is restarting, or has fallen more
-than ``max_backlog_bytes`` behind) the gateway redacts it and appends it to the spool
+The gateway keeps every exchange it streamed until the store process acknowledges it as
+durable (one line on the same socket per batch it wrote or spooled: the number of exchanges
+durable so far). If the store process dies, what it had not acknowledged is spooled here, and
+re-ingesting skips what the dead process had committed after all (turn ids derive from the
+exchange's id), so a SIGKILL of it loses no turn and stores none twice.
+
+When the store process cannot take an exchange (it is restarting, or more than
+``max_unacked_bytes`` are not yet acknowledged) the gateway redacts it and appends it to the spool
 itself; the store process re-ingests the spool, so nothing is dropped.
 """
 
@@ -56,23 +62,27 @@ class StoreProcessError(RuntimeError):
 class StoreLink:
     """Starts, feeds, and forwards to the store process."""
 
-    def __init__(self, settings: Settings, redactor: Redactor | None, *, max_backlog_bytes: int = 64 << 20) -> None:
+    def __init__(self, settings: Settings, redactor: Redactor | None, *, max_unacked_bytes: int = 64 << 20) -> None:
         self.settings = settings
         self.redactor = redactor
         # One socket write per handoff, not per exchange: every write wakes the store process on the
         # other core, and those wakeups cost the gateway ~8% of its CPU at saturation (measured).
         self.handoff_s = settings.capture.handoff_s
-        self.max_backlog_bytes = max_backlog_bytes
+        self.max_unacked_bytes = max_unacked_bytes
         self.spool = Spool(settings.spool_path)
         self.stats: Counter[str] = Counter()  # the gateway's own: spooled, failed
         self.capture_counts: Counter[str] = Counter()  # for /metrics: the store process's counters plus ours
         self.sent = 0  # exchanges written to the current ingest connection
+        self.acked = 0  # of those, the ones the store process has written or spooled
+        self._unacked: deque[bytes] = deque()  # the lines sent after the first ``acked``, in order
+        self._unacked_bytes = 0
+        self._acks: asyncio.Task[None] | None = None  # reads the acknowledgements until the connection ends
         self._dir = Path(tempfile.mkdtemp(prefix="flywheel-store-"))  # 0700; short enough for a socket path
         self.api_socket, self.ingest_socket = self._dir / "api.sock", self._dir / "ingest.sock"
         self._proc: asyncio.subprocess.Process | None = None
         self._http: aiohttp.ClientSession | None = None
         self._ingest: asyncio.StreamWriter | None = None
-        self._ingest_eof: asyncio.StreamReader | None = None  # at EOF once the store process is gone
+        self._ingest_eof: asyncio.StreamReader | None = None  # acknowledgements; at EOF once the store process is gone
         self._pending: list[bytes] = []  # CapturedExchange lines
         self._serializer = ThreadPoolExecutor(1, thread_name_prefix="flywheel-serializer")  # one: lines keep order
         self._serializing: deque[asyncio.Future[bytes]] = deque()  # big exchanges on the serializer, in order
@@ -114,6 +124,10 @@ class StoreLink:
                 log.error("the store process did not exit within %.0f s; killing it", timeout_s)
                 proc.kill()
                 await proc.wait()
+        if proc is not None and proc.returncode != 0:  # it did not drain: what it never acknowledged may be lost
+            await self._keep_unacknowledged()
+        if self._acks is not None:
+            self._acks.cancel()  # done: a clean exit wrote everything it read
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- capture -----------------------------------------------------------------------------------------
@@ -164,14 +178,43 @@ class StoreLink:
             return
         writer = self._ingest
         try:
-            if writer is None or not self.up or writer.transport.get_write_buffer_size() > self.max_backlog_bytes:
+            if writer is None or not self.up or self._unacked_bytes > self.max_unacked_bytes:
                 self._spool(batch)
                 return
             writer.write(b"".join(batch))
             self.sent += len(batch)
+            self._unacked.extend(batch)
+            self._unacked_bytes += sum(map(len, batch))
         except Exception:  # capture must never fail a client request
             log.exception("could not hand %d exchanges to the store process", len(batch))
             self.stats["failed"] += len(batch)
+
+    async def _read_acks(self, reader: asyncio.StreamReader) -> None:
+        """Let go of the exchanges the store process acknowledges as durable, until the connection ends."""
+        try:
+            while line := await reader.readline():
+                durable = int(line)
+                while self.acked < durable and self._unacked:
+                    self._unacked_bytes -= len(self._unacked.popleft())
+                    self.acked += 1
+        except (OSError, ValueError) as exc:  # a broken connection is the supervisor's to handle
+            log.warning("reading the store process's acknowledgements stopped: %r", exc)
+
+    async def _keep_unacknowledged(self, timeout_s: float = 5.0) -> None:
+        """The store process is gone: spool what it never acknowledged (re-ingesting skips what it wrote)."""
+        if self._ingest is not None:
+            self._ingest.close()  # nothing more goes to the dead connection: from now on _flush spools
+        if self._acks is not None:
+            with contextlib.suppress(TimeoutError):  # its last acknowledgements, up to the end of the connection
+                await asyncio.wait_for(asyncio.shield(self._acks), timeout_s)
+            self._acks.cancel()
+        lost, self._unacked, self._unacked_bytes = list(self._unacked), deque(), 0
+        if lost:
+            log.warning("%d exchanges were not acknowledged as durable by the store process: spooling them",
+                        len(lost))
+            self._spool(lost)
+        if self._spooling:  # on the spool before a new store process re-ingests it at its start
+            await asyncio.wait(set(self._spooling))
 
     def _spool(self, batch: list[bytes]) -> None:
         """Redact and append ``batch`` to the spool on a worker thread: preparing turns (parse, redact, hash)
@@ -222,7 +265,8 @@ class StoreLink:
                                                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         await self._wait_ready(timeout_s)
         self._ingest_eof, self._ingest = await asyncio.open_unix_connection(str(self.ingest_socket))
-        self.sent = 0
+        self.sent = self.acked = 0
+        self._acks = asyncio.create_task(self._read_acks(self._ingest_eof), name="flywheel-store-acks")
 
     async def _wait_ready(self, timeout_s: float) -> None:
         assert self._proc is not None and self._http is not None
@@ -249,6 +293,7 @@ class StoreLink:
             assert self._proc is not None
             code = await self._proc.wait()
             log.error("the store process exited with code %s; restarting it in %.0f s", code, backoff_s)
+            await self._keep_unacknowledged()
             await asyncio.sleep(backoff_s)
             try:
                 await self._spawn(120.0)

@@ -7,7 +7,8 @@ capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must 
 GIL from the request path (measured: it halved the gateway's throughput when it did).
 
 - Ingest: the gateway streams finished exchanges, one JSON line each, over a Unix socket;
-  each goes to the recorder (batches, spool, re-ingest: ``capture/recorder.py``).
+  each goes to the recorder (batches, spool, re-ingest: ``capture/recorder.py``). Back on the
+  same socket it acknowledges, once per batch, how many of them are durable (written or spooled).
 - API: the gateway forwards the store-backed routes here unchanged over a second Unix
   socket (Stored Completions, trajectories, feedback, jobs), and calls the ``/internal``
   routes below for what it composes itself (training rounds, promoted adapters, metrics).
@@ -25,6 +26,7 @@ import os
 import pickle
 import signal
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -84,13 +86,38 @@ def open_store(settings: Settings) -> Store:
     return TracedStore(settings.database, tracing, capture_content=settings.telemetry.capture_content)
 
 
+class Acknowledgements:
+    """What one ingest connection has read, to tell the gateway how much of it is durable: one line, the number
+    of exchanges, per advance of the recorder's ``durable`` (a batch), never per exchange."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.marks: deque[tuple[int, int]] = deque()  # after a chunk: (exchanges read, the recorder's accepted)
+
+    def read(self, received: int, accepted: int) -> None:
+        self.marks.append((received, accepted))
+
+    def durable(self, accepted: int) -> None:
+        done = None
+        while self.marks and self.marks[0][1] <= accepted:
+            done = self.marks.popleft()[0]
+        if done is not None and not self.writer.is_closing():
+            self.writer.write(b"%d\n" % done)
+
+
 class IngestListener:
-    """Reads the gateway's stream of exchanges into the recorder."""
+    """Reads the gateway's stream of exchanges into the recorder, and acknowledges what is durable."""
 
     def __init__(self, state: StoreState) -> None:
         self.state = state
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.Task[None]] = set()
+        self.acknowledgements: set[Acknowledgements] = set()
+        state.recorder.on_durable = self._durable
+
+    def _durable(self, accepted: int) -> None:
+        for acknowledgements in self.acknowledgements:
+            acknowledgements.durable(accepted)
 
     async def start(self, path: Path) -> None:
         self.server = await asyncio.start_unix_server(self._read, str(path))
@@ -101,6 +128,8 @@ class IngestListener:
         assert task is not None
         self.connections.add(task)
         self.state.received = 0  # a (re)started gateway counts from zero on its new connection
+        acknowledgements = Acknowledgements(writer)
+        self.acknowledgements.add(acknowledgements)
         partial: list[bytes] = []  # the start of a line whose end has not arrived yet
         try:
             # Whole chunks, split here: one readline() per exchange cost more than the split.
@@ -113,9 +142,12 @@ class IngestListener:
                     partial.append(rest)
                 for line in lines:
                     self.state.recorder.submit(line)
-                self.state.received += len(lines)
+                if lines:
+                    self.state.received += len(lines)
+                    acknowledgements.read(self.state.received, self.state.recorder.accepted)
         finally:
             writer.close()
+            self.acknowledgements.discard(acknowledgements)
             self.connections.discard(task)
 
     async def close(self, timeout_s: float = 10.0) -> None:
