@@ -300,7 +300,7 @@ class TrajectoryLinker:
                 text = content_text(message.get("content")) if message.get("role") in _QUOTING_ROLES else ""
                 if len(text) < DISTINCT_ANSWER_CHARS:
                     continue
-                # never the whole message: an answer handed on verbatim as a prompt (a sub-agent's task) is not a summary
+                # never the whole message: an answer handed on verbatim as a prompt (a sub-agent's task) is no summary
                 starts = [m.end() for m in islice(_QUOTE_START.finditer(text), QUOTE_STARTS)]
                 for quoted in {variant for start in starts for variant in (text[start:], text[start:].strip())}:
                     if len(quoted) >= DISTINCT_ANSWER_CHARS:
