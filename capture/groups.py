@@ -13,8 +13,9 @@ labelled with its source in ``groups.source``:
 A trajectory joins at most one group. Groups smaller than ``min_size`` wait for more
 members (explicit and task) or are dropped (fork); larger ones are cut at ``max_size``,
 oldest first — never padded. A stable ``holdout_fraction`` of the trajectories that are not
-explicitly grouped never joins a task or cohort group: the promotion gate's contexts come from
-them, so it never evaluates on what was trained.
+explicitly grouped never joins a task, cohort or fork group (the siblings sampled for its turns
+are left ungrouped): the promotion gate's contexts come from them, so it never evaluates on what
+was trained.
 
 A sub-agent's trajectory (``parent_trajectory_id`` set) joins no group of its own: it is
 scored with its parent, whose conversation the judge reads with it (:func:`member_messages`);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
 
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
@@ -47,7 +49,7 @@ class GroupingRules:
     max_size: int = 8
     task_window_s: float = 3600.0
     cohorts: bool = False
-    holdout_fraction: float = 0.0  # task and cohort trajectories kept out of training, for the promotion gate
+    holdout_fraction: float = 0.0  # task, cohort and forked trajectories kept out of training, for the promotion gate
 
 
 def held_out(trajectory_id: str, fraction: float) -> bool:
@@ -114,10 +116,15 @@ def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list
 
 
 def _fork_groups(session: Session, rules: GroupingRules, now: datetime) -> list[Group]:
-    """One group per forked completion: the client's choice(s) plus the gateway's siblings."""
-    forked: set[str] = set(session.exec(select(Turn.completion_id).where(Turn.source == "fork")))
-    done: set[str] = set(session.exec(select(Group.key).where(Group.source == "fork")))
-    fork_ids = forked - done
+    """One group per forked completion: the client's choice(s) plus the gateway's siblings; none for a turn of a
+    held-out conversation, so that its first request stays a context the promotion gate can use."""
+    sibling = aliased(Turn)
+    pending = session.exec(select(Turn.completion_id, Turn.trajectory_id).where(
+        Turn.source != "fork",
+        col(Turn.completion_id).in_(select(sibling.completion_id).where(sibling.source == "fork")),
+        col(Turn.completion_id).not_in(select(Group.key).where(Group.source == "fork"))))
+    fork_ids = {completion_id for completion_id, trajectory_id in pending
+                if not held_out(trajectory_id, rules.holdout_fraction)}
     formed = []
     for completion_id in sorted(fork_ids):
         turns = list(session.exec(select(Turn).where(Turn.completion_id == completion_id)

@@ -46,6 +46,8 @@ base_model = "scripted"
 admin_key = "admin"
 {judge.config_toml}[groups]
 form_every_s = 3600
+[loop.gate]
+holdout_fraction = 0.0  # every conversation must form its group
 {extra}
 """).start()
 

@@ -79,6 +79,8 @@ engine = "local"
 admin_key = "admin"
 {judge.config_toml}[groups]
 form_every_s = 3600
+[loop.gate]
+holdout_fraction = 0.0  # each forked request must form its group
 [train.args]
 learning_rate = 5e-3
 lora_r = 16

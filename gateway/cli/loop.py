@@ -174,10 +174,17 @@ def versions(config: ConfigOption = None, gateway: GatewayOption = None, admin_k
         offline, online = gate.get("offline") or {}, gate.get("online") or {}
         table.add_row(str(row["version"]), row["status"], row["source"], str(row.get("parent_version") or "base"),
                       _num((row.get("metrics") or {}).get("reward/mean")),
-                      f"{offline['win_rate']:.2f} of {offline['contexts']}" if offline else "-",
+                      _offline_cell(offline),
                       f"{online.get('decision', '-')} ({online.get('pairs', 0)} pairs)" if online else "-",
                       row.get("reason") or "")
     _console().print(table)
+
+
+def _offline_cell(offline: dict[str, Any]) -> str:
+    if not offline:
+        return "-"
+    tied = " (all tie)" if offline.get("decision") == "inconclusive" else ""
+    return f"{offline['win_rate']:.2f} of {offline['contexts']}{tied}"
 
 
 def _switch(location: Location, path: str, body: dict[str, Any]) -> dict[str, Any]:

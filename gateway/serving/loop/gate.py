@@ -6,7 +6,8 @@ every group: ``[loop.gate] holdout_fraction``) are answered by both versions thr
 reward hook — a Python entry point ``module:function`` or an HTTP endpoint, called with the
 context and one answer, returning a number (the way a task with a checkable outcome plugs in) —
 or, without a hook, by RULER comparing the two answers. The candidate wins a context when its
-score is higher, ties count half; it passes when its win rate reaches ``win_rate``.
+score is higher, ties count half; it passes when its win rate reaches ``win_rate``. When every
+context ties the gate learned nothing about the candidate: ``inconclusive``, and the canary decides.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ async def answer(model: ServedModel, context: dict[str, Any], config: GateConfig
     return message
 
 
+def gate_decision(wins: int, ties: int, contexts: int, threshold: float) -> str:
+    """``passed``, ``failed``, or ``inconclusive`` when every context tied (0.5 would pass by ties alone)."""
+    if ties == contexts:
+        return "inconclusive"
+    return "passed" if (wins + ties / 2) / contexts >= threshold else "failed"
+
+
 async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[dict[str, Any]],
                        config: GateConfig, scorer: Scorer, concurrency: int = 4) -> dict[str, Any]:
     """Answer every context with both versions, score each pair, and decide."""
@@ -108,8 +116,10 @@ async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: 
     wins = sum(1 for a, b in scores if a > b)
     ties = sum(1 for a, b in scores if a == b)
     win_rate = (wins + ties / 2) / len(scores)
+    decision = gate_decision(wins, ties, len(scores), config.win_rate)
     return {"contexts": len(scores), "wins": wins, "ties": ties, "losses": len(scores) - wins - ties,
-            "win_rate": win_rate, "threshold": config.win_rate, "passed": win_rate >= config.win_rate,
+            "win_rate": win_rate, "threshold": config.win_rate,
+            "decision": decision, "passed": decision == "passed",
             "candidate_mean": statistics.fmean(a for a, _ in scores),
             "baseline_mean": statistics.fmean(b for _, b in scores),
             "candidate_version": candidate.version, "baseline_version": baseline.version,

@@ -61,6 +61,19 @@ class Outcome:
     counts: dict[str, Any] = field(default_factory=dict)
 
 
+def offline_verdict(offline: dict[str, Any] | None, *, canary: bool) -> tuple[bool, str]:
+    """What the offline gate's result means for the candidate: (rejected, why; empty when it passed or did not run)."""
+    if offline is None:
+        return False, ""
+    decision = offline.get("decision") or ("passed" if offline["passed"] else "failed")  # rows before "decision"
+    if decision == "failed":
+        return True, f"offline gate: win rate {offline['win_rate']:.2f} < {offline['threshold']:.2f}"
+    if decision != "inconclusive":
+        return False, ""
+    tied = f"offline gate inconclusive: all {offline['contexts']} contexts tie"
+    return (False, f"{tied}, the canary decides") if canary else (True, f"{tied} and no canary to decide")
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -289,19 +302,23 @@ class Loop:
             checked = await self._offline_gate(alias, flight)
             if checked is None:
                 return Outcome("waiting", "not enough held-out contexts yet", {"version": version})
-            if not checked["passed"]:
-                await self._unload(alias, flight)
-                await link.op("decide", alias=alias, version=version, status="rejected",
-                              reason=f"offline gate: win rate {checked['win_rate']:.2f} < {checked['threshold']:.2f}",
-                              gate={"offline": checked})
-                return Outcome("ok", f"version {version} rejected by the offline gate", {"version": version})
+            results = {**results, "offline": checked}
             await link.op("record_gate", alias=alias, version=version, gate={"offline": checked})
+        rejected, why = offline_verdict(results.get("offline") if config.gate.offline else None,
+                                         canary=config.canary.enabled)
+        if rejected:
+            log.info("alias %s: version %d rejected: %s", alias, version, why)
+            await self._unload(alias, flight)
+            await link.op("decide", alias=alias, version=version, status="rejected", reason=why)
+            return Outcome("ok", f"version {version} rejected: {why}", {"version": version})
         if config.canary.enabled:
             started = _now()
             await self._start_canary(alias, flight, started)
-            await link.op("decide", alias=alias, version=version, status="canary", reason="on canary",
+            reason = f"on canary ({why})" if why else "on canary"
+            log.info("alias %s: version %d %s", alias, version, reason)
+            await link.op("decide", alias=alias, version=version, status="canary", reason=reason,
                           gate={"online": {"started_at": started, "fraction": config.canary.fraction}})
-            return Outcome("ok", f"version {version} on canary ({config.canary.fraction:.0%} of conversations)",
+            return Outcome("ok", f"version {version} {reason}, {config.canary.fraction:.0%} of conversations",
                            {"version": version})
         await promote_version(self.state, alias, version, reason="passed the offline gate")
         return Outcome("ok", f"version {version} promoted", {"version": version})
