@@ -5,6 +5,7 @@
     python -m bench.replicas --quick               # smoke run (~1 min): short windows, 1k and 10k turns
     python -m bench.replicas --parts throughput --upstream fixed --rounds 4   # every answer the same
     python -m bench.replicas --parts lookups --turns 1000,100000,1000000
+    python -m bench.replicas --parts conversations --runs 10   # tool-using conversations, whole or split
 
 It starts a throwaway PostgreSQL cluster (``initdb`` + ``pg_ctl`` on a free loopback port, as
 ``tests/postgres.py`` does, but with PostgreSQL's default durability: fsync and synchronous commit
@@ -46,6 +47,13 @@ answer names the question it answers, so answers differ between conversations as
    lookups at a time (10 for ``popular answer``). ``EXPLAIN`` shows how PostgreSQL runs each of the
    linker's queries at each size (after ``ANALYZE``, what autovacuum does within a minute of a bulk
    load).
+3. Whole conversations (``--parts conversations``, not in the default run): what a new user tries. ``--runs``
+   runs, each of ``--conversations`` tool-using conversations, ``--concurrency`` at a time, each conversation's
+   requests alternating between ``two-a`` and ``two-b`` (database ``conv_two``); run 0 also sends the same
+   conversations to one replica (``conv_one``). A conversation is ``--user-turns`` questions; each is two requests
+   (the upstream answers a question with a tool call, the tool result with text), so a conversation holds
+   ``2 x --user-turns`` turns. After each run the script waits until every turn sent is stored, then counts the
+   conversations stored whole: all their turns in one trajectory that holds nothing else.
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ from flywheel.capture.store import Store
 from flywheel.capture.turns import CapturedExchange, PreparedTurn, prepare_turns
 
 MODES = ("one replica", "two replicas")
+PARTS = ("throughput", "lookups", "conversations")
 
 
 @dataclass
@@ -116,6 +125,12 @@ class Args:
     """lookups timed per store size and request kind"""
     popular_lookups: int = 50
     """lookups timed per store size for the ``popular answer`` kind (slow on a large store)"""
+    conversations: int = 200
+    """conversations per run (``conversations`` part)"""
+    user_turns: int = 6
+    """questions per conversation (``conversations`` part): two requests each, a tool call and its answer"""
+    runs: int = 1
+    """runs of the ``conversations`` part"""
     parts: tuple[str, ...] = ("throughput", "lookups")
     out: str | None = None
     """also write the results here (JSON)"""
@@ -137,7 +152,10 @@ def parse_args() -> Args:
                         help="stored turns for the lookups, comma-separated")
     parser.add_argument("--lookups", type=int, default=Args.lookups, help="per size and request kind")
     parser.add_argument("--popular-lookups", type=int, default=Args.popular_lookups)
-    parser.add_argument("--parts", nargs="+", choices=list(Args.parts), default=list(Args.parts))
+    parser.add_argument("--conversations", type=int, default=Args.conversations, help="per run (conversations part)")
+    parser.add_argument("--user-turns", type=int, default=Args.user_turns, help="questions per conversation")
+    parser.add_argument("--runs", type=int, default=Args.runs, help="runs of the conversations part")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(Args.parts))
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1 s, 1k and 10k turns")
@@ -145,7 +163,8 @@ def parse_args() -> Args:
     args = Args(seconds=ns.seconds, warmup_s=ns.warmup_s, rounds=ns.rounds, concurrency=ns.concurrency,
                 conversation_turns=ns.conversation_turns, upstream=ns.upstream, drain_timeout_s=ns.drain_timeout_s,
                 turns=tuple(int(n) for n in ns.turns.split(",")), lookups=ns.lookups,
-                popular_lookups=ns.popular_lookups, parts=tuple(ns.parts), out=ns.out, keep_logs=ns.keep_logs)
+                popular_lookups=ns.popular_lookups, conversations=ns.conversations, user_turns=ns.user_turns,
+                runs=ns.runs, parts=tuple(ns.parts), out=ns.out, keep_logs=ns.keep_logs)
     if ns.quick:
         args.seconds, args.warmup_s, args.rounds, args.turns = 1.0, 1.5, 1, (1_000, 10_000)
         args.lookups, args.popular_lookups = 100, 20
@@ -227,7 +246,8 @@ class Postgres:
 
 def echo_upstream() -> None:
     """``python -m bench.replicas echo-upstream --port N``: the mock upstream, but a (non-streaming) chat answer
-    names the last user message, so answers differ between conversations and turns as an LLM's do."""
+    names the last user message, so answers differ between conversations and turns as an LLM's do; a request
+    with ``tools`` that ends with a user message is answered with a ``search`` tool call (a fresh call id)."""
     from bench import mock_openai_server as mock
 
     fixed = mock.respond
@@ -239,7 +259,14 @@ def echo_upstream() -> None:
                 if isinstance(body, dict) and not body.get("stream"):
                     question = next(m.get("content") for m in reversed(body["messages"]) if m.get("role") == "user")
                     reply = mock.chat_completion(str(body.get("model") or mock.MODEL), False, None)
-                    reply["choices"][0]["message"]["content"] = f"Noted: {question}"
+                    message = reply["choices"][0]["message"]
+                    if body.get("tools") and body["messages"][-1].get("role") == "user":  # look it up first
+                        message["content"], reply["choices"][0]["finish_reason"] = None, "tool_calls"
+                        message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                                                  "function": {"name": "search",
+                                                               "arguments": orjson.dumps({"q": question}).decode()}}]
+                    else:
+                        message["content"] = f"Noted: {question}"
                     return [mock.http_response(200, orjson.dumps(reply))]
             except (orjson.JSONDecodeError, KeyError, TypeError, StopIteration, AttributeError):
                 pass  # the mock answers (or refuses) it
@@ -680,6 +707,135 @@ def lookups(args: Args, pg: Postgres, console: Console) -> dict[int, dict[str, A
 
 
 # ---------------------------------------------------------------------------------------------
+# 3. whole conversations: tool-using conversations alternating between two replicas
+# ---------------------------------------------------------------------------------------------
+
+AGENT = {"role": "system", "content": "You plan trips. Look things up with search before you answer."}
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the travel guide.",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+async def tool_conversation(targets: list[Target], slot: int, number: int, user_turns: int) -> None:
+    """One conversation: each question is answered with a tool call, the tool's result with text; every request
+    goes to the next target."""
+    messages: list[dict[str, Any]] = [AGENT]
+    for request in range(2 * user_turns):
+        if request % 2 == 0:
+            messages.append({"role": "user", "content": f"Traveller {number}, question {request // 2}: what to see?"})
+        target = targets[(number + request) % len(targets)]
+        body = {"model": "bench", "messages": messages, "tools": [SEARCH], "max_tokens": 16}
+        sample = await target.send(slot, target.raw_request(body), 30.0)
+        if sample.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {sample.status}: {sample.body[:300]!r}")
+        reply = orjson.loads(sample.body)
+        answer = {k: v for k, v in reply["choices"][0]["message"].items() if v is not None and v != []}
+        messages.append(answer)
+        for call in answer.get("tool_calls", ()):
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": f"Guide for traveller {number}: the castle, then Alfama."})
+
+
+async def replay(targets: list[Target], args: Args, numbers: range) -> None:
+    """``args.conversations`` conversations, ``args.concurrency`` at a time (one connection per slot)."""
+    slots: asyncio.Queue[int] = asyncio.Queue()
+    for slot in range(args.concurrency):
+        slots.put_nowait(slot)
+
+    async def one(number: int) -> None:
+        slot = await slots.get()
+        try:
+            await tool_conversation(targets, slot, number, args.user_turns)
+        finally:
+            slots.put_nowait(slot)
+
+    await asyncio.gather(*map(one, numbers))
+
+
+def whole_conversations(url: str, numbers: range, turns: int) -> dict[str, Any]:
+    """How conversations ``numbers`` were stored: whole (all their ``turns`` turns in one trajectory that holds
+    nothing else, each continuing the one before it: request ``k`` holds ``2k + 2`` messages and sits at depth
+    ``k``) or not (split into several trajectories, or branched in one). A turn is told to its conversation by its
+    first question (the upstream's completion ids are all the same)."""
+    store = Store(url)
+    try:
+        with store.session() as session:
+            rows = session.execute(text("SELECT trajectory_id, link_rule, request_messages->1->>'content', depth, "
+                                        "json_array_length(request_messages) FROM turns")).all()
+    finally:
+        store.close()
+    mine: dict[int, list[str]] = {n: [] for n in numbers}
+    owners: dict[str, set[int]] = {}
+    rules: dict[str, int] = {}
+    misplaced: set[int] = set()  # conversations with a turn that does not continue the one before it
+    for trajectory, rule, question, depth, length in rows:
+        number = int(question.split(",")[0].removeprefix("Traveller "))
+        owners.setdefault(trajectory, set()).add(number)
+        if number in mine:
+            mine[number].append(trajectory)
+            rules[rule] = rules.get(rule, 0) + 1
+            if depth != length // 2 - 1:
+                misplaced.add(number)
+    pieces = [len(set(t)) for n, t in mine.items()
+              if not (len(t) == turns and len(set(t)) == 1 and len(owners[t[0]]) == 1 and n not in misplaced)]
+    return {"conversations": len(numbers), "whole": len(numbers) - len(pieces), "split_into": sorted(pieces),
+            "branched": len(misplaced), "link_rules": rules}
+
+
+async def wait_stored(pg: Postgres, database: str, turns: int, timeout_s: float) -> float:
+    """Seconds until ``database`` holds ``turns`` turns (raises after ``timeout_s``)."""
+    started = time.perf_counter()
+    while (stored := await asyncio.to_thread(pg.stored_turns, database)) < turns:
+        if time.perf_counter() - started > timeout_s:
+            raise RuntimeError(f"{database}: {stored} of {turns} turns stored after {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+    return time.perf_counter() - started
+
+
+async def conversations_part(args: Args, workdir: Path, pg: Postgres, console: Console) -> dict[str, Any]:
+    urls = {name: pg.create_database(name) for name in ("conv_one", "conv_two")}
+    mock = start_upstream(workdir, "echo")
+    gateways: list[Server] = []
+    runs: list[dict[str, Any]] = []
+    try:
+        mock.wait_ready("/v1/models", 60)
+        gateways = [start_gateway("c-one", workdir, mock.port, urls["conv_one"])]
+        gateways[0].wait_ready("/healthz", 120)
+        gateways += [start_gateway(name, workdir, mock.port, urls["conv_two"]) for name in ("c-two-a", "c-two-b")]
+        for gateway in gateways[1:]:
+            gateway.wait_ready("/healthz", 120)
+        targets = {g.name: Target(g.name, g.port, []) for g in gateways}
+        for target in targets.values():
+            target.connections = [await Connection.open(target.port) for _ in range(args.concurrency)]
+        sent = dict.fromkeys(urls, 0)
+        for run in range(args.runs):
+            configurations = [("conv_two", [targets["c-two-a"], targets["c-two-b"]])]
+            if run == 0:
+                configurations.insert(0, ("conv_one", [targets["c-one"]]))
+            for database, chosen in configurations:
+                started = time.perf_counter()
+                numbers = range(run * args.conversations, (run + 1) * args.conversations)
+                await replay(chosen, args, numbers)
+                replay_s = time.perf_counter() - started
+                sent[database] += 2 * args.user_turns * len(numbers)
+                drain_s = await wait_stored(pg, database, sent[database], args.drain_timeout_s)
+                counted = await asyncio.to_thread(whole_conversations, urls[database], numbers, 2 * args.user_turns)
+                result = {"run": run, "database": database, "replicas": len(chosen), "replay_s": replay_s,
+                          "stored_after_s": drain_s, **counted}
+                runs.append(result)
+                console.log(f"run {run}, {len(chosen)} replica(s): {counted['whole']} of {counted['conversations']} "
+                            f"conversations whole ({counted['branched']} with a misplaced turn; not whole ones in "
+                            f"{counted['split_into']} trajectories); replayed in "
+                            f"{replay_s:.1f} s, all stored {drain_s:.1f} s later; rules {counted['link_rules']}")
+        for target in targets.values():
+            for connection in target.connections:
+                connection.close()
+    finally:
+        stop_gateways(gateways)
+        mock.stop()
+    return {"runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
 
@@ -780,6 +936,12 @@ def main() -> None:
             problems = check_counts(args, thr)
             console.print("; ".join(problems) if problems else
                           "every turn sent was stored; every conversation is one trajectory (none split or merged)")
+        if "conversations" in args.parts:
+            results["conversations"] = asyncio.run(conversations_part(args, workdir, pg, console))
+            split = [r for r in results["conversations"]["runs"] if r["whole"] != r["conversations"]]
+            console.print(f"{len(split)} of {len(results['conversations']['runs'])} runs had a split conversation")
+            problems += [f"run {r['run']} ({r['replicas']} replicas): {r['whole']} of {r['conversations']} whole"
+                         for r in split]
         if "lookups" in args.parts:
             results["lookups"] = lookups(args, pg, console)
             results["lookup_growth"] = print_lookups(console, args, results["lookups"])

@@ -562,6 +562,12 @@ class ParentWait:
     stream. With several replicas the turn that gave an answer may sit in another replica's batch for up to
     its ``batch_wait_s`` plus a write, while the client already sent the next request to this one. The holder
     (the recorder) passes :meth:`take` back in with each batch, oldest first, so a held chain links in order.
+
+    A fast client alternating between two replicas makes a longer chain: its turn k waits here for turn k-1 on
+    the other replica, which waits there for turn k-2, held here, and so on, one batch per link. So a turn of
+    whose conversation an older turn is held here too stays out of the batches (nothing to link it to yet, and
+    relinking every held turn with every batch made the batches slow) and its wait starts again each time:
+    it counts from when no older turn of its conversation is held here (bench/replicas.py, conversations part).
     """
 
     def __init__(self, wait_s: float) -> None:
@@ -591,8 +597,16 @@ class ParentWait:
         return len(first)
 
     def take(self) -> list[PreparedTurn]:
-        """The held turns, oldest first, to link again with the next batch (:meth:`hold` keeps their deadlines)."""
-        turns, self._turns = self._turns, []
+        """The held turns to link again with the next batch, oldest first (:meth:`hold` keeps their deadlines); a
+        turn that continues another held turn (its ``h_out`` among the turn's prefix hashes) stays held."""
+        held = {item.row["h_out"] for item in self._turns}
+        now, turns, waiting, self._turns = time.monotonic(), [], self._turns, []
+        for item in waiting:
+            if held.intersection(item.assistant_prefix_hashes):
+                self._turns.append(item)
+                self._deadlines[item.row["id"]] = now + self.wait_s  # its parent cannot have been written yet
+            else:
+                turns.append(item)
         return turns
 
 

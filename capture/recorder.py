@@ -14,7 +14,8 @@
 - ``drain`` (SIGTERM, shutdown) writes whatever is queued before the process exits.
 - With ``link_wait_s`` (several gateway replicas on one PostgreSQL store), a turn whose last
   answer is not stored yet is held back and tried again with each batch, at least every
-  ``batch_wait_s``, for up to ``link_wait_s`` (``capture/linker.py: ParentWait``).
+  ``batch_wait_s``, for up to ``link_wait_s`` (``capture/linker.py: ParentWait``; one behind an older held
+  turn of its conversation waits for that one first).
 
 Durability: a turn is durable once its batch commits (or it is spooled), at most ``batch_wait_s``
 plus one batch's write time after ``submit`` (plus ``link_wait_s`` for a held turn). Every submitted

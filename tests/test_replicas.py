@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 from sqlmodel import col, select
 
@@ -38,7 +40,7 @@ def upstream() -> Iterator[ScriptedOpenAI]:
         yield server
 
 
-def replica_config(upstream: ScriptedOpenAI, database: str) -> str:
+def replica_config(upstream: ScriptedOpenAI, database: str, capture: str = "") -> str:
     return f"""
 [engines.up]
 base_url = "{upstream.base_url}"
@@ -47,12 +49,13 @@ engine = "up"
 base_model = "scripted"
 [capture]
 database = "{database}"
-"""
+{capture}"""
 
 
-def start_replicas(tmp: Path, upstream: ScriptedOpenAI, database: str) -> list[GatewayProcess]:
+def start_replicas(tmp: Path, upstream: ScriptedOpenAI, database: str, capture: str = "") -> list[GatewayProcess]:
     """Two replicas started together: the schema is created once, under the migration lock."""
-    replicas = [GatewayProcess(tmp, replica_config(upstream, database), name=f"replica-{i}") for i in range(2)]
+    replicas = [GatewayProcess(tmp, replica_config(upstream, database, capture), name=f"replica-{i}")
+                for i in range(2)]
     threads = [threading.Thread(target=replica.start) for replica in replicas]
     for thread in threads:
         thread.start()
@@ -111,6 +114,62 @@ async def test_conversations_alternating_between_replicas_are_rebuilt_whole(tmp_
         assert len(owners) == 1  # none cross-linked: every later turn comes from the same traveller
         if mine[0].request_messages[-1]["content"] != "Hello there":  # type: ignore[index]  (one of a kind)
             assert {t.completion_id for t in mine} <= next(set(ids) for ids in seen if mine[0].completion_id in ids)
+
+
+def agent(body: dict[str, Any]) -> Reply:
+    """A tool-using agent's model: a question gets a ``search`` call (a fresh call id), a tool result an answer."""
+    last = body["messages"][-1]
+    if last["role"] == "user":
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": "search", "arguments": orjson.dumps({"q": last["content"]}).decode()}}
+        return Reply(content=None, tool_calls=[call], finish_reason="tool_calls")
+    return Reply(content=f"found {last['content']}")
+
+
+async def test_fast_tool_using_conversations_alternating_between_replicas_are_chains(tmp_path: Path,
+                                                                                   postgres_url: str) -> None:
+    """Agents that send their next request as soon as the answer comes, 16 at a time, each request to the other
+    replica: turn k waits on one replica for turn k-1 on the other, itself held there for turn k-2, one batch per
+    link, longer than ``link_wait_s`` from the first request. Each conversation must still be one trajectory
+    whose every turn continues the one before it (no split, no branch). Batches of 3 s make each link slower
+    than a request, on a busy machine too, so the chain outgrows the 8-s wait before its sixteenth turn."""
+    with ScriptedOpenAI(reply=agent) as upstream:
+        replicas = await asyncio.to_thread(start_replicas, tmp_path, upstream, postgres_url,
+                                           "batch_wait_s = 3.0\nlink_wait_s = 8.0\n")
+        clients = [openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0) for r in replicas]
+        conversations, questions, slots = 32, 8, asyncio.Semaphore(16)
+        tools: list[Any] = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+
+        async def conversation(index: int) -> list[str]:
+            messages: list[Any] = [SYSTEM]
+            ids = []
+            async with slots:
+                for request in range(2 * questions):
+                    if request % 2 == 0:
+                        messages.append({"role": "user", "content": f"traveller {index} question {request}"})
+                    reply = await clients[(index + request) % 2].chat.completions.create(
+                        model="agent", messages=messages, tools=tools)
+                    ids.append(reply.id)
+                    answer = reply.choices[0].message.model_dump(exclude_none=True)
+                    messages.append(answer)
+                    messages += [{"role": "tool", "tool_call_id": call["id"], "content": f"guide {index}"}
+                                 for call in answer.get("tool_calls", ())]
+            return ids
+
+        seen = await asyncio.gather(*(conversation(i) for i in range(conversations)))
+        for replica in replicas:
+            await asyncio.to_thread(replica.stop)  # SIGTERM: each store process writes what it holds
+    trajectories, turns = await asyncio.to_thread(stored, postgres_url)
+
+    assert len(turns) == conversations * 2 * questions
+    by_completion = {t.completion_id: t for t in turns}
+    for ids in seen:
+        mine = [by_completion[i] for i in ids]
+        assert len({t.trajectory_id for t in mine}) == 1, [(t.depth, t.link_rule) for t in mine]  # not split
+        assert [t.depth for t in mine] == list(range(2 * questions)), [(t.depth, t.link_rule) for t in mine]
+        assert all(child.parent_turn_id == parent.id for parent, child in itertools.pairwise(mine))
+    assert len(trajectories) == conversations
+    assert {(t.turn_count, t.branch_count) for t in trajectories} == {(2 * questions, 1)}
 
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
