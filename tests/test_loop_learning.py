@@ -93,7 +93,8 @@ max_pairs = 400
         assert n >= 1 and version["status"] == "promoted" and version["source"] == "trained"
         earlier = httpx.get(f"{gateway.url}/flywheel/v1/aliases/agent/versions", timeout=30).json()["data"]
         assert all(v["status"] == "rejected" for v in earlier if 0 < v["version"] < n), earlier
-        assert gate["offline"]["passed"] and gate["offline"]["contexts"] >= 3
+        # the offline gate passed it, or saw only ties and left it to the canary; never a promotion it failed
+        assert gate["offline"]["decision"] in ("passed", "inconclusive") and gate["offline"]["contexts"] >= 3
         assert gate["online"]["decision"] == "better" and gate["online"]["p_better"] <= 0.05
         assert gate["online"]["mean_candidate"] > gate["online"]["mean_baseline"]
         for job in ("close_idle", "form_groups", "score", "train", "gate", "ab"):
