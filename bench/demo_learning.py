@@ -48,7 +48,7 @@ from typing import Any
 
 from examples.demo import task
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
-from flywheel.gateway.cli.demo import TINY_TRAIN_ARGS
+from flywheel.gateway.cli.demo import small_model_train_args
 from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
 from flywheel.gateway.serving.engines.local.toolcalls import parse_tool_calls
 
@@ -106,7 +106,7 @@ class Args:
 
 
 # What `flywheel demo` trains with, unless --grpo says otherwise (docs/demo.md: the runs that chose it).
-DEFAULT_GRPO: dict[str, Any] = {**TINY_TRAIN_ARGS, "progress": False}
+DEFAULT_GRPO: dict[str, Any] = {**small_model_train_args(), "progress": False}
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

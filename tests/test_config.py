@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG
 from flywheel.gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, SettingsError, load_settings
 from flywheel.gateway.core.processes import free_port
 from tests.gateway_process import GatewayProcess
@@ -73,6 +74,29 @@ def test_route_to_unknown_alias_is_refused(tmp_path: Path) -> None:
     config.write_text('[routing]\nroutes = { "gpt-4o" = "missing" }\n')
     with pytest.raises(ValidationError, match="missing"):
         load_settings(config)
+
+
+def test_config_files_layer_key_by_key_and_the_environment_beats_them(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    base, mine = tmp_path / "base.toml", tmp_path / "mine.toml"
+    base.write_text("[loop.gate]\ncontexts = 24\nmin_contexts = 12\n[loop.canary]\nmax_pairs = 200\n"
+                    "[train.args]\nlearning_rate = 3e-3\nlora_r = 16\n")
+    mine.write_text('[loop.gate]\nreward_hook = "examples.demo.task:gate_reward"\nmin_contexts = 4\n'
+                    "[train.args]\nlearning_rate = 2e-5\n")
+    monkeypatch.setenv("FLYWHEEL_LOOP__CANARY__MAX_PAIRS", "50")
+    settings = load_settings([base, mine])
+    gate = settings.loop.gate
+    assert (gate.contexts, gate.min_contexts, gate.reward_hook) == (24, 4, "examples.demo.task:gate_reward")
+    assert settings.train.args == {"learning_rate": 2e-5, "lora_r": 16}
+    assert settings.loop.canary.max_pairs == 50
+    assert load_settings([mine, base]).train.args["learning_rate"] == 3e-3  # the last file wins
+
+
+def test_the_small_model_configuration_names_no_task() -> None:
+    settings = load_settings(SMALL_MODEL_CONFIG)
+    assert settings.loop.canary.on_max == "reject" and settings.loop.gate.reward_hook is None
+    assert not settings.train.tiny_defaults and settings.train.args["learning_rate"] > 0
+    assert settings.engines == load_settings().engines  # what to serve comes from the layer above it
 
 
 @pytest.mark.parametrize(("content", "expected"), [

@@ -14,6 +14,7 @@ The admin key is ``--admin-key``, else ``FLYWHEEL_ADMIN_KEY``, else the configur
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -28,7 +29,8 @@ from flywheel.gateway.core.discovery import announced_url, local_url
 if TYPE_CHECKING:
     from flywheel.capture.store import Store
 
-ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="TOML configuration file.")]
+ConfigOption = Annotated[list[Path] | None, typer.Option(
+    "--config", "-c", help="TOML configuration file; repeat it to layer files (later ones win, key by key).")]
 GatewayOption = Annotated[str | None, typer.Option(
     "--gateway", help="Admin API of a running gateway, e.g. http://127.0.0.1:8000 (default: the config's "
                       "host and port, when it answers).")]
@@ -48,7 +50,7 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-def settings_or_exit(config: Path | None, **overrides: Any) -> Settings:
+def settings_or_exit(config: Sequence[Path] | None, **overrides: Any) -> Settings:
     try:
         return load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
     except FileNotFoundError as exc:
@@ -80,7 +82,7 @@ def error_code(response: httpx.Response) -> str | None:
 class Target:
     """The options every command shares: which configuration, which gateway or file."""
 
-    config: Path | None
+    config: Sequence[Path] | None
     gateway: str | None
     admin_key: str | None
     data_dir: Path | None

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,12 +53,8 @@ from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
 
-# What the loop uses on the tiny model: the settings bench/demo_learning.py chose (docs/demo.md).
-TINY_TRAIN_ARGS: dict[str, Any] = {
-    "learning_rate": 3e-3, "lora_r": 16, "lora_alpha": 32, "precision": "fp32", "per_device_train_batch_size": 4,
-    "gradient_accumulation_steps": 16, "num_train_epochs": 4, "beta": 0.05, "max_grad_norm": 0.05,
-    "max_prompt_tokens": 512, "max_completion_tokens": 96, "temperature": 1.0, "seed": 0,
-}
+# The loop's settings for small models, which the demo runs on unchanged (docs/learning.md).
+SMALL_MODEL_CONFIG = REPO / "deploy" / "flywheel.small-model.toml"
 GROUP_SIZE = 4  # attempts per request: the agent repeats each request this many times in a row
 WARM_START_STEPS = 80
 
@@ -106,9 +103,11 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
              help="A local model directory (e.g. Qwen2.5-0.5B-Instruct) instead of the tiny one; no warm start.")
                           ] = None,
          seed: Annotated[int, typer.Option(help="The agent's seed.")] = 0,
-         min_groups: Annotated[int, typer.Option(help="Scored groups per training round.")] = 16,
-         canary_pairs: Annotated[int, typer.Option(
-             help="Canary pairs per version before the A/B test must decide.")] = 40,
+         min_groups: Annotated[int | None, typer.Option(
+             help="Scored groups per training round (default: the small-model configuration's).")] = None,
+         canary_pairs: Annotated[int | None, typer.Option(
+             help="Canary pairs per version before the A/B test must decide (default: the configuration's).")
+                                 ] = None,
          promotions: Annotated[int, typer.Option(
              help="Stop once this many versions were promoted (0: run the whole time).")] = 0,
          ) -> None:
@@ -128,8 +127,9 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)}
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(config), "--port",
-                                str(port)], stdout=subprocess.DEVNULL, stderr=(demo_dir / "gateway.log").open("wb"),
+    serve = [sys.executable, "-m", "flywheel.gateway", "serve", "--config", str(SMALL_MODEL_CONFIG),
+             "--config", str(config), "--port", str(port)]
+    gateway = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=(demo_dir / "gateway.log").open("wb"),
                                env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     board = Board()
@@ -182,15 +182,17 @@ def _model(data_dir: Path, model: Path | None, console: Console) -> Path:
     return Path(warm_start(tiny, out, task.warm_start_examples(512, seed=0), steps=WARM_START_STEPS, seed=0))
 
 
-def demo_config(demo_dir: Path, model: Path, *, tiny: bool, min_groups: int, canary_pairs: int) -> str:
-    """The demo gateway's configuration: local engine, the loop on short ticks, the task's reward hook.
+def demo_config(demo_dir: Path, model: Path, *, tiny: bool, min_groups: int | None = None,
+                canary_pairs: int | None = None) -> str:
+    """The demo's own layer over ``deploy/flywheel.small-model.toml``: what it serves and how rewards arrive.
 
-    The canary decides after ``canary_pairs`` pairs at most and then promotes a candidate that passed the
-    offline gate and was not shown worse (``on_max = "promote"``): a laptop demo cannot wait for the
-    thousands of episodes a small gain needs; the monitor still rolls back a promotion that drops.
+    Every ``[train]`` and ``[loop]`` value comes from that file (the one configuration docs/learning.md
+    measures on every task) except the two the command line shortens: ``min_groups`` and the canary's
+    ``max_pairs``. A real model (``--model``) trains at a real model's learning rate in its own precision.
     """
-    args = "\n".join(f"{k} = {json.dumps(v)}" for k, v in (TINY_TRAIN_ARGS if tiny else {}).items())
-    return f"""# written by flywheel demo
+    real_model = "" if tiny else '[train.args]\nlearning_rate = 2e-5\nprecision = "auto"\n'
+    rounds = "" if min_groups is None else f"max_groups = {min_groups}\n"
+    return f"""# written by flywheel demo, layered over {SMALL_MODEL_CONFIG.name}
 data_dir = "{demo_dir}"
 log_level = "warning"
 
@@ -204,39 +206,24 @@ engine = "local"
 [capture]
 idle_close_s = 60
 
-[groups]
-form_every_s = 2
-min_size = {GROUP_SIZE}
-max_size = {GROUP_SIZE}
-
 [judge]
 enabled = false  # every episode reports its reward: no judge needed
 
 [train]
-tiny_defaults = false
-max_groups = {min_groups}
-
-[train.args]
-{args}
-
+{rounds}{real_model}
 [loop]
-tick_s = 1
-score_every_s = 2
-min_groups = {min_groups}
-train_threads = 1
-
+{rounds.replace("max_groups", "min_groups")}
 [loop.gate]
-contexts = 24
-min_contexts = 12
-holdout_fraction = 0.1
 reward_hook = "examples.demo.task:gate_reward"
-max_tokens = 64
 
 [loop.canary]
-fraction = 0.5
-max_pairs = {canary_pairs}
-on_max = "promote"
+{"" if canary_pairs is None else f"max_pairs = {canary_pairs}"}
 """
+
+
+def small_model_train_args() -> dict[str, Any]:
+    """``[train.args]`` of the small-model configuration (what every round of the demo trains with)."""
+    return dict(tomllib.loads(SMALL_MODEL_CONFIG.read_text())["train"]["args"])
 
 
 def _wait_ready(gateway: subprocess.Popen[bytes], url: str, log: Path) -> None:

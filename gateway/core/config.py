@@ -22,7 +22,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -444,7 +444,8 @@ class Settings(BaseSettings):
                                    dotenv_settings: PydanticBaseSettingsSource,
                                    file_secret_settings: PydanticBaseSettingsSource,
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls), DefaultTables(settings_cls))
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, deep_merge=True),
+                DefaultTables(settings_cls))
 
 
 class DefaultTables(PydanticBaseSettingsSource):
@@ -477,20 +478,24 @@ class SettingsError(ValueError):
     """The configuration cannot be used; the message says what to change (one line)."""
 
 
-def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Settings from ``config_file`` (TOML) + environment + ``overrides``.
+def load_settings(config_files: Path | Sequence[Path] | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_files`` (TOML, later files over earlier ones) + environment + ``overrides``.
 
-    A ``FLYWHEEL_*`` variable that names no setting is a :class:`SettingsError` naming the close match.
+    Several files are layered table by table: ``-c deploy/flywheel.small-model.toml -c mine.toml`` keeps
+    the first file's ``[loop.gate]`` keys that the second does not set. A ``FLYWHEEL_*`` variable that
+    names no setting is a :class:`SettingsError` naming the close match.
     """
     unknown = unknown_variables(Settings, ENV_PREFIX, os.environ, also_known=CLI_VARIABLES)
     if unknown:
         raise SettingsError("; ".join(unknown))
-    if config_file is None:
+    files = [config_files] if isinstance(config_files, Path) else list(config_files or [])
+    if not files:
         return Settings(**overrides)
-    if not config_file.is_file():
-        raise FileNotFoundError(f"config file not found: {config_file}")
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"config file not found: {file}")
 
     class FileSettings(Settings):
-        model_config = SettingsConfigDict(toml_file=config_file)
+        model_config = SettingsConfigDict(toml_file=files)
 
     return FileSettings(**overrides)
