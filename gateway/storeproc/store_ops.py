@@ -150,6 +150,9 @@ def record_round(store: Store, settings: Settings, alias: str, version: int, par
 
     adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
                               parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])
+    if adapter is not None and adapter.status == "candidate":
+        with store.session() as session:
+            versions.supersede(session, alias, version)  # the gate takes the newest candidate of the line
     return versions.to_json(adapter) if adapter is not None else None
 
 
@@ -170,14 +173,25 @@ def list_versions(store: Store, settings: Settings, alias: str) -> list[dict[str
 
 @op("serving")
 def serving(store: Store, settings: Settings) -> dict[str, Any]:
-    """Per alias: the version serving it and the one in flight (training, candidate or canary), or None."""
+    """Per alias: the version serving it, the oldest in flight (training, candidate or canary) and the one
+    training now, each or None. A round may train while an older version is on canary (docs/loop.md)."""
     out: dict[str, Any] = {}
     with store.session() as session:
         for alias in settings.aliases:
             current, flight = versions.serving(session, alias), versions.in_flight(session, alias)
+            busy = versions.training(session, alias)
             out[alias] = {"serving": versions.to_json(current) if current else None,
-                          "in_flight": versions.to_json(flight) if flight else None}
+                          "in_flight": versions.to_json(flight) if flight else None,
+                          "training": versions.to_json(busy) if busy else None}
     return out
+
+
+@op("training_head")
+def training_head(store: Store, settings: Settings, alias: str) -> dict[str, Any] | None:
+    """The version the next round of ``alias`` continues from (versions.training_head), None: the base model."""
+    with store.session() as session:
+        row = versions.training_head(session, alias)
+        return versions.to_json(row) if row is not None else None
 
 
 @op("promote")

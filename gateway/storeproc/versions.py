@@ -82,6 +82,62 @@ def in_flight(session: Session, alias: str) -> AdapterVersion | None:
                         .order_by(col(AdapterVersion.version)).limit(1)).first()
 
 
+def shown_worse(row: AdapterVersion) -> bool:
+    """Whether a gate found ``row`` worse than what served: its offline gate failed, its canary's test said
+    worse, or the monitor rolled it back. Rejected for want of evidence ("not shown better") is not worse."""
+    gate = row.gate or {}
+    return (row.status == "rolled_back" or (gate.get("offline") or {}).get("decision") == "failed"
+            or (gate.get("online") or {}).get("decision") == "worse")
+
+
+def training_head(session: Session, alias: str) -> AdapterVersion | None:
+    """The version the next round continues from (None: the base model).
+
+    Training keeps its own line: the newest trained version above the serving one whose every
+    ancestor back to the serving version was decided and never shown worse; else the serving
+    version. A candidate the canary could not yet tell apart is a step on that line, not a dead end:
+    a round's update is smaller than the test can see, the sum of several is not. What serves is
+    still only what a gate promoted.
+    """
+    current = serving(session, alias)
+    base = current.version if current is not None else 0
+    rows = {row.version: row for row in listing(session, alias)}
+
+    def on_the_line(row: AdapterVersion) -> bool:
+        while True:
+            if (row.source != "trained" or row.status in ("training", "failed", "deleted") or shown_worse(row)
+                    or not Path(row.path).is_dir()):
+                return False
+            parent = row.parent_version or 0
+            if parent == base:
+                return True
+            if parent < base or parent not in rows:
+                return False
+            row = rows[parent]
+
+    newest = max((v for v, row in rows.items() if v > base and on_the_line(row)), default=None)
+    return rows[newest] if newest is not None else current
+
+
+def training(session: Session, alias: str) -> AdapterVersion | None:
+    """The version a round is training now, if any (one round at a time)."""
+    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                     AdapterVersion.status == "training").limit(1)).first()
+
+
+def supersede(session: Session, alias: str, version: int) -> list[int]:
+    """Candidates older than ``version`` that never reached their gate: rejected, superseded (not worse)."""
+    rows = list(session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                          AdapterVersion.status == "candidate",
+                                                          AdapterVersion.version < version)))
+    for row in rows:
+        row.status, row.decided_at = "rejected", utcnow()
+        row.reason = f"superseded by version {version} before its gate"
+        session.add(row)
+    session.commit()
+    return [row.version for row in rows]
+
+
 def listing(session: Session, alias: str) -> list[AdapterVersion]:
     return list(session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias)
                              .order_by(col(AdapterVersion.version))))

@@ -168,8 +168,8 @@ class StoreFile:
             raise RoundError(str(exc)) from None
         groups = store_ops.batch(self.store, self.settings, alias, max_groups or self.settings.train.max_groups,
                                  group_ids)
-        serving = store_ops.serving(self.store, self.settings)[alias]["serving"]
-        current = {"version": serving["version"], "path": serving["path"]} if serving else None
+        head = store_ops.training_head(self.store, self.settings, alias)
+        current = {"version": head["version"], "path": head["path"]} if head else None
         return Batch(groups, base, current, asdict(grpo_args(self.settings, base)))
 
     def readable(self, alias: str, current: dict[str, Any] | None) -> str | None:

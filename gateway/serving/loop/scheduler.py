@@ -44,9 +44,15 @@ from flywheel.gateway.serving.loop.training_child import TrainingChild
 from flywheel.gateway.serving.observability.loop_jobs import Observability
 
 log = logging.getLogger("flywheel.loop")
-# A tick that finds its job still running is skipped by design (max_instances=1); APScheduler would log
-# each skip as a warning, once a second while a round trains.
-logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
+
+
+def _not_a_skipped_tick(record: logging.LogRecord) -> bool:
+    """A tick that finds its job still running is skipped by design (max_instances=1); APScheduler warns of
+    each, once a second while a round trains. A filter, not a level: LiteLLM's import resets that logger's level."""
+    return "maximum number of running instances reached" not in record.getMessage()
+
+
+logging.getLogger("apscheduler.scheduler").addFilter(_not_a_skipped_tick)
 
 ALIAS_JOBS = ("score", "train", "gate", "ab")
 GLOBAL_JOBS = ("close_idle", "form_groups")
@@ -260,13 +266,18 @@ class Loop:
     async def train(self, alias: str | None) -> Outcome:
         assert alias is not None
         link, loop = self.state.store_link, self.settings.loop
-        flight = (await link.op("serving"))[alias]["in_flight"]
-        if flight is not None:
-            if self.settings.train.workers and flight["status"] == "training" and \
-                    time.time() - datetime.fromisoformat(flight["created_at"]).timestamp() > loop.train_timeout_s:
-                await link.op("record_failed_round", alias=alias, version=flight["version"],
+        rows = (await link.op("serving"))[alias]
+        flight, busy = rows["in_flight"], rows["training"]
+        if busy is not None:
+            if self.settings.train.workers and \
+                    time.time() - datetime.fromisoformat(busy["created_at"]).timestamp() > loop.train_timeout_s:
+                await link.op("record_failed_round", alias=alias, version=busy["version"],
                               error=f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
-                return Outcome("failed", f"version {flight['version']}: no report from its trainer worker")
+                return Outcome("failed", f"version {busy['version']}: no report from its trainer worker")
+            return Outcome("idle", f"version {busy['version']} is training: one round at a time")
+        # Pipelined: while a canary runs, the next round trains on (a newer candidate supersedes a waiting one);
+        # a candidate waiting for its offline gate with no canary running is next in line: wait for it.
+        if flight is not None and (flight["status"] != "canary" or self.settings.train.workers):
             return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
         pending = await link.op("pending", alias=alias)
         scored = pending["scored_groups"]
@@ -278,10 +289,10 @@ class Loop:
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")
         if result.returncode != 0:
-            flight = (await link.op("serving"))[alias]["in_flight"]
-            if flight is not None and flight["status"] == "training":  # the child died before it could say so
+            busy = (await link.op("serving"))[alias]["training"]
+            if busy is not None:  # the child died before it could say so
                 reason = "timed out" if result.timed_out else f"exited with {result.returncode}"
-                await link.op("record_failed_round", alias=alias, version=flight["version"],
+                await link.op("record_failed_round", alias=alias, version=busy["version"],
                               error=f"the training process {reason}; log {result.log_path}:\n{result.tail}")
             return Outcome("failed", f"training process exited with {result.returncode} (log {result.log_path})",
                            {"scored_groups": scored})

@@ -62,12 +62,12 @@ async def _admin_body(request: Request, model: type[Body]) -> tuple[GatewayState
 
 @router.get("/batch", openapi_extra=query(BatchQuery), responses=ERRORS)
 async def get_batch(request: Request) -> Response:
-    """Scored, untrained groups of an alias, with the base weights and the version it serves now."""
+    """Scored, untrained groups of an alias, with the base weights and the version the round continues from."""
     state = GatewayState.of(request)
     state.auth.admin(request)
     params = request.query_params
     alias = params.get("alias") or ""
-    served = state.router.get(alias)
+    state.router.get(alias)  # an alias that does not exist is the client's error, here
     raw = params.get("max_groups") or str(state.settings.train.max_groups)
     if not raw.isdigit() or int(raw) < 1:
         raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
@@ -81,7 +81,8 @@ async def get_batch(request: Request) -> Response:
         groups: list[dict[str, object]] = []  # trainer workers ask often: a round only when the loop would train
     else:
         groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
-    current = {"version": served.version, "path": served.adapter_path} if served.adapter_path else None
+    head = await state.store_link.op("training_head", alias=alias)
+    current = {"version": head["version"], "path": head["path"]} if head else None
     return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
 
 
@@ -104,8 +105,9 @@ async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
     served = state.router.get(body.alias)
+    head = await state.store_link.op("training_head", alias=body.alias)  # what the round continues from
     row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
-                                    parent_version=served.version or None,
+                                    parent_version=head["version"] if head else None,
                                     alone=state.settings.train.workers)  # workers: never two rounds at once
     return json_response(row)
 

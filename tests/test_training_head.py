@@ -1,0 +1,76 @@
+"""Which version the next round continues from: its own line of candidates, never one a gate showed worse."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import Session
+
+from flywheel.capture.store import Store
+from flywheel.gateway.storeproc import versions
+
+NOT_SHOWN_BETTER = {"online": {"decision": "max_pairs"}}
+TIED = {"offline": {"decision": "inconclusive"}, "online": {"decision": "max_pairs"}}
+WORSE_ONLINE = {"offline": {"decision": "inconclusive"}, "online": {"decision": "worse"}}
+FAILED_OFFLINE = {"offline": {"decision": "failed"}}
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    store = Store(str(tmp_path / "flywheel.duckdb"))
+    try:
+        with store.session() as session:
+            yield session
+    finally:
+        store.close()
+
+
+def trained(session: Session, tmp_path: Path, parent: int | None, status: str, gate: dict[str, Any] | None = None,
+            *, files: bool = True) -> int:
+    """A trained version continuing from ``parent``, decided ``status`` with these gate results."""
+    row = versions.reserve(session, "agent", path_of=lambda n: tmp_path / "adapters" / str(n), base_model="tiny",
+                           parent_version=parent, status="candidate")
+    if files:
+        Path(row.path).mkdir(parents=True)
+    if status == "promoted":
+        versions.promote(session, "agent", row.version, reason="gate")
+    else:
+        versions.decide(session, "agent", row.version, status, reason="gate", gate=gate)
+    return row.version
+
+
+def head(session: Session) -> int:
+    row = versions.training_head(session, "agent")
+    return row.version if row is not None else 0
+
+
+def test_a_round_continues_the_line_of_undecided_candidates_and_drops_what_was_shown_worse(
+        session: Session, tmp_path: Path) -> None:
+    assert head(session) == 0  # nothing trained: the base model
+    v1 = trained(session, tmp_path, None, "rejected", NOT_SHOWN_BETTER)
+    assert head(session) == v1  # not shown better is not shown worse: the next round builds on it
+    v2 = trained(session, tmp_path, v1, "rejected", TIED)
+    assert head(session) == v2
+    trained(session, tmp_path, v2, "rejected", WORSE_ONLINE)
+    assert head(session) == v2  # the canary showed version 3 worse
+    trained(session, tmp_path, v2, "rejected", FAILED_OFFLINE)
+    assert head(session) == v2  # version 4 lost the held-out contexts
+    v5 = trained(session, tmp_path, v2, "promoted")
+    assert head(session) == v5
+    v6 = trained(session, tmp_path, v5, "rejected", NOT_SHOWN_BETTER)
+    assert head(session) == v6
+    versions.promote(session, "agent", 0, reason="rollback", replaced_status="rolled_back")
+    assert head(session) == v2  # back to the base model: the newest line from it that avoids version 5
+
+
+def test_a_line_through_a_rolled_back_or_missing_version_ends_there(session: Session, tmp_path: Path) -> None:
+    v1 = trained(session, tmp_path, None, "promoted")
+    v2 = trained(session, tmp_path, v1, "promoted")
+    versions.promote(session, "agent", v1, reason="monitor", replaced_status="rolled_back")
+    assert head(session) == v1  # version 2 dropped after its promotion
+    trained(session, tmp_path, v1, "rejected", NOT_SHOWN_BETTER, files=False)
+    assert head(session) == v1  # its files are gone: nothing to continue from
+    assert versions.get(session, "agent", v2).status == "rolled_back"
