@@ -58,8 +58,7 @@ from flywheel.gateway.storeproc.versions import VersionError
 log = logging.getLogger("flywheel.store")
 
 _CHUNK = 1 << 20  # ingest socket reads
-# What a turn waits for its parent on a shared store (capture.link_wait_s unset): another replica's batch_wait_s
-# (1 s), handoff and write, with room for a loaded machine.
+# capture.link_wait_s unset, shared store: another replica's batch_wait_s, handoff and write, with room to spare
 SHARED_LINK_WAIT_S = 5.0
 
 
@@ -276,8 +275,7 @@ def main() -> None:
     configure_logging(settings)
     import uvicorn
 
-    # Keep-alive well past the gateway's (STORE_KEEPALIVE_S): the client drops an idle connection first, so it never
-    # sends a request down one this server is closing at that moment (CI: a round report failed with ClientOSError).
+    # Keep-alive past the gateway's (STORE_KEEPALIVE_S): it drops an idle connection first, never sends on a closing one
     uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30,
                 timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
