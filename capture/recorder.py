@@ -129,8 +129,7 @@ class Recorder:
         self.accepted = 0  # lines submitted so far
         self.durable = 0  # every line numbered up to this is written, spooled, or failed for good
         self.on_durable: Callable[[int], None] | None = None
-        # Turns: queued, written, spooled, reingested, failed; and how written turns were linked
-        # (link_prefix, link_tail, link_summary, link_explicit, link_new) and the evidence refused (tail_ambiguous).
+        # Turns queued, written, spooled, reingested, failed; how they were linked (link_*), evidence refused
         self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None

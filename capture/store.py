@@ -349,8 +349,7 @@ _META = SchemaMeta.__table__  # type: ignore[attr-defined]
 
 
 def _connect_args(url: str) -> dict[str, Any]:
-    # One DuckDB worker thread: the store serves small batches; more threads only compete with
-    # the gateway's event loop for the cores (measured: -40% capture CPU on 2 cores).
+    # One DuckDB worker thread: for small batches more threads only compete with the gateway for the cores
     if url.startswith("duckdb:"):
         return {"config": {"threads": 1}}
     if url.startswith("postgresql"):
@@ -408,9 +407,7 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
     view = f"_flywheel_rows_{table.name}"
     connection.register(view, _arrow_table(table, rows, columns))
     yield view
-    # Not in a finally: after a failed statement (a write conflict) DuckDB refuses even this in the aborted
-    # transaction, and that error would replace the conflict, which retry_on_conflict retries. A view left
-    # registered is replaced by the next register of its name.
+    # Not in a finally: an aborted transaction refuses it, hiding the conflict retry_on_conflict retries
     connection.unregister(view)
 
 
