@@ -367,9 +367,8 @@ def _engine_options(url: str) -> dict[str, Any]:
 def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, Any]]) -> None:
     """Insert many rows at once: an Arrow table appended by DuckDB's relation API on DuckDB, executemany elsewhere.
 
-    DuckDB spends ~2-3 ms of CPU per parameter-bound INSERT row (executemany included); an Arrow
-    table goes in at a few microseconds per row. ``insert_into`` costs ~2 ms less per statement than
-    registering the table and running ``INSERT ... SELECT`` through SQLAlchemy (measured).
+    DuckDB binds parameters row by row (executemany included); an Arrow table goes in at once, and
+    ``insert_into`` beats registering it for ``INSERT ... SELECT`` (docs/engineering-notes.md).
     """
     if not rows:
         return
@@ -384,7 +383,7 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
 
 def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     """Set ``columns`` of many rows (matched by ``id``) at once: one ``UPDATE ... FROM`` an Arrow table on
-    DuckDB (a parameter-bound UPDATE costs ~1 ms per row there), executemany elsewhere."""
+    DuckDB (a parameter-bound UPDATE is dear per row there), executemany elsewhere."""
     if not rows:
         return
     table = model.__table__  # type: ignore[attr-defined]

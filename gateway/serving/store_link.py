@@ -136,7 +136,7 @@ class StoreLink:
 
         It is serialized now, while its dicts are still in the CPU's caches, and only the line is
         kept: holding the dicts until the handoff (and walking them then, cold) cost the gateway
-        ~5% of its throughput at saturation (measured), serializing here ~0.3%. A big one
+        more (docs/benchmarks.md, "How the capture cost came down"). A big one
         (``gateway/serving/exchange_lines.py``) is serialized on the serializer thread instead, and
         so is every exchange submitted while one is there, so lines keep the order of submission.
         """

@@ -3,8 +3,8 @@
 The gateway starts it (:mod:`flywheel.gateway.serving.store_link`) as ``python -m flywheel.gateway.storeproc.main``
 with its settings on stdin, and it lives as long as the gateway. Why a process of its own
 (docs/gateway.md, "Two processes"): DuckDB lets one process open a file (architecture §8), and
-capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must not take the
-GIL from the request path (measured: it halved the gateway's throughput when it did).
+capture's CPU — redaction, hashing, linking, inserts — must not take the GIL from the request
+path (docs/benchmarks.md, "How the capture cost came down").
 
 - Ingest: the gateway streams finished exchanges, one JSON line each, over a Unix socket;
   each goes to the recorder (batches, spool, re-ingest: ``capture/recorder.py``). Back on the
