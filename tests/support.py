@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from tests.gateway_process import GatewayProcess
+from tests.scripted_openai import Reply, ScriptedOpenAI
+from tests.test_stored_completions import gateway_config
 
 Messages = list[dict[str, Any]]
 Example = tuple[Messages, str]
@@ -202,3 +209,24 @@ def warm_start(model_dir: Path | str, out_dir: Path | str, messages: Messages, a
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def scripted_gateway_fixtures(reply: Callable[[dict[str, Any]], Reply], keys: list[str], name: str) -> tuple[Any, Any]:
+    """Module fixtures ``gateway`` (one gateway over a ScriptedOpenAI answering with ``reply``, client ``keys``,
+    admin key "adm") and ``key`` (a key of its own for each test, so its trajectories are the ones listed for it)."""
+
+    @pytest.fixture(scope="module", name="gateway")
+    def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+        with ScriptedOpenAI(reply=reply) as upstream:
+            config = gateway_config(upstream, *keys, admin="adm")
+            process = GatewayProcess(tmp_path_factory.mktemp(name), config).start()
+            yield process
+            process.stop()
+
+    unused_keys = iter(keys)
+
+    @pytest.fixture(name="key")
+    def key() -> str:
+        return next(unused_keys)
+
+    return gateway, key
