@@ -11,15 +11,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
-
-from tests.gateway_process import GatewayProcess
-from tests.scripted_openai import Reply, ScriptedOpenAI
-from tests.test_stored_completions import gateway_config
 
 Messages = list[dict[str, Any]]
 Example = tuple[Messages, str]
@@ -229,24 +222,3 @@ def tiny_loop_config(model: Path | str, tables: str) -> str:
     TINY_TRAIN_ARGS; ``tables`` are the test's own."""
     return (f'[engines.local]\nmodel = {json.dumps(str(model))}\ndefault_max_tokens = 8\n'
             f'[aliases.agent]\nengine = "local"\n{TINY_TRAIN_ARGS}{tables}')
-
-
-def scripted_gateway_fixtures(reply: Callable[[dict[str, Any]], Reply], keys: list[str], name: str) -> tuple[Any, Any]:
-    """Module fixtures ``gateway`` (one gateway over a ScriptedOpenAI answering with ``reply``, client ``keys``,
-    admin key "adm") and ``key`` (a key of its own for each test, so its trajectories are the ones listed for it)."""
-
-    @pytest.fixture(scope="module", name="gateway")
-    def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-        with ScriptedOpenAI(reply=reply) as upstream:
-            config = gateway_config(upstream, *keys, admin="adm")
-            process = GatewayProcess(tmp_path_factory.mktemp(name), config).start()
-            yield process
-            process.stop()
-
-    unused_keys = iter(keys)
-
-    @pytest.fixture(name="key")
-    def key() -> str:
-        return next(unused_keys)
-
-    return gateway, key

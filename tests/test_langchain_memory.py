@@ -32,8 +32,8 @@ from langchain_core.messages.utils import count_tokens_approximately
 from flywheel.capture.history import branch_conversation
 from flywheel.capture.models import Turn
 from tests.gateway_process import GatewayProcess
+from tests.scripted_gateway import scripted_gateway_fixtures
 from tests.scripted_openai import Reply
-from tests.support import scripted_gateway_fixtures
 from tests.test_tail_linking import Stored, capture_counts, delta, stored
 
 KEYS = [f"sk-langchain-{i:02d}" for i in range(24)]

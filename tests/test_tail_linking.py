@@ -32,8 +32,8 @@ import pytest
 from flywheel.capture.history import branch_conversation
 from flywheel.capture.models import Turn
 from tests.gateway_process import GatewayProcess
+from tests.scripted_gateway import scripted_gateway_fixtures
 from tests.scripted_openai import Reply
-from tests.support import scripted_gateway_fixtures
 
 KEYS = [f"sk-tail-{i:02d}" for i in range(32)]
 OPENING = "Plan a weekend trip for two."
