@@ -388,9 +388,7 @@ async def load(target: Target, raw: bytes, concurrency: int, duration_s: float, 
     client_cpu = time.process_time() - client_cpu0
     cpu_at_end = cpu_seconds(target.pids)
     busy_after = await settle(target.pids, quiet_s=args.quiet_s)
-    # Work the servers deferred past the window (capture writes) is not free: its CPU time is added
-    # to the window as if nothing else could have run meanwhile (conservative: it runs on spare cores).
-    # Its wall time would also count a batch timer's idle wait, which costs nothing.
+    # Deferred work (capture writes) counts by its CPU time, not its wall time, which includes idle batch timers
     deferred_cpu = cpu_seconds(target.pids) - cpu_at_end
     n = len(latencies)
     return {"requests": n, "req_per_s": n / elapsed, "p50_ms": 1000 * percentile(latencies, 50),

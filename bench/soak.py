@@ -127,8 +127,7 @@ async def conversation(client: httpx.AsyncClient, number: int, rng: random.Rando
     run.conversations.append(sent)
     stream = rng.random() < 0.5
     city = rng.choice(CITIES)
-    # The trip number keeps two conversations about one city apart (identical histories may swap trajectories,
-    # docs/capture.md); the task header still groups them.
+    # A trip number: identical histories may swap trajectories (docs/capture.md); the task header still groups them
     headers = {"X-Flywheel-Task": f"weather-{city}"}
     if sent.explicit_id:
         headers["X-Flywheel-Trajectory-Id"] = sent.explicit_id

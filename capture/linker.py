@@ -56,21 +56,14 @@ from flywheel.capture.turns import PreparedTurn, new_id
 log = logging.getLogger("flywheel.linker")
 T = TypeVar("T")
 
-# The linker's hot queries as plain SQL: duckdb_engine turns off SQLAlchemy's statement
-# cache, and compiling an ORM select costs more than DuckDB's indexed lookup itself.
-# Forked siblings are never continued: the client never saw them.
+# Plain SQL (no statement cache on DuckDB); forks are never continued: the client never saw them
 _CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_answer FROM turns WHERE h_out IN :hashes "
                    "AND source <> 'fork' ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
-# The tail rule's lookups, one answer at a time and at most TAIL_CANDIDATES + 1 rows: an index range read,
-# however many turns gave the answer. First the turns that also replied to the same message (the
-# (h_answer, h_replied_to) index), then any that gave the answer.
+# Tail lookups capped at TAIL_CANDIDATES + 1 rows: an index range read, however many turns gave the answer
 _TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at, h_answer FROM turns "
 _AGREEING = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND h_replied_to = :r AND source <> 'fork' LIMIT :limit")
 _ANSWERS = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND source <> 'fork' LIMIT :limit")
-# On DuckDB a statement costs ~0.5 ms whatever it reads, so the batch's answers go in two statements, each answer's
-# rows capped in the query (QUALIFY). The pair is compared as one concatenation: DuckDB plans a sequential scan for
-# two selective equalities (it scans an index only when the other filters look unselective: 5.5 ms at 1M turns
-# against 0.6 ms, measured), and its ART indexes serve one column only; the read stays on the h_answer index.
+# DuckDB: two statements a batch (each is dear); the pair as one concatenation keeps the read on the h_answer index
 _ANSWERS_BATCH = text(_TAIL_COLUMNS + "WHERE h_answer IN :answers AND source <> 'fork' "
                       "QUALIFY row_number() OVER (PARTITION BY h_answer) <= :limit"
                       ).bindparams(bindparam("answers", expanding=True))
@@ -88,11 +81,9 @@ TOUCHED_COLUMNS = ("status", "closed_at", "close_reason", "turn_count", "branch_
                    "group_key")
 # An answer whose preceding message changed too is evidence alone only when it is hard to repeat by chance.
 DISTINCT_ANSWER_CHARS = 40
-# Evidence more stored turns share than this ("OK" after "thanks") settles no link: the tail rule refuses it as
-# ambiguous without reading them all (bench/replicas.py: 413 ms a request at 10k such turns when it read them).
+# Evidence more stored turns share ("OK" after "thanks") is ambiguous: refused without reading them all
 TAIL_CANDIDATES = 32
-# A summary follows its template's label ("Summary of the conversation so far: ...") or a line break: the summary rule
-# tries a message from after each of its first QUOTE_STARTS colons or line breaks, never whole, never every substring.
+# A summary follows its template's label or a line break: tried after the first QUOTE_STARTS of them, never all
 _QUOTE_START = re.compile(r"[:\n]\s*")
 QUOTE_STARTS = 4
 _QUOTING_ROLES = ("system", "developer", "user")
@@ -156,8 +147,7 @@ class TrajectoryLinker:
         self.session = session
         self.lock = lock  # several writers: lock the trajectories a batch may continue (PostgreSQL)
         self._batched_tails = session.get_bind().dialect.name == "duckdb"  # _probe_answers: statements are dear
-        # Plain records, not ORM objects: building SQLModel objects costs ~0.4 ms each, and the ORM
-        # would flush every changed one as its own UPDATE (~1 ms each on DuckDB).
+        # Plain records, not ORM objects: those are dear to build, and each would flush as its own UPDATE
         self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
         self._new_trajectories: dict[str, SimpleNamespace] = {}  # created by this batch
         self._by_hash: dict[str, list[_Candidate]] = {}  # by h_out
@@ -173,10 +163,7 @@ class TrajectoryLinker:
         self.counts: Counter[str] = Counter()
 
     def prefetch(self, batch: list[PreparedTurn]) -> None:
-        # Most requests continue their last assistant message: probe that prefix for every turn, and
-        # the older ones and the tail only for the turns it did not resolve. Each hash is an ART index
-        # probe (~35 us on DuckDB), so this is one probe per turn in the common case.
-        # Results are read with .all(): iterating a duckdb_engine result fetches row by row (~40 us each).
+        # Most requests continue their last assistant message: one index probe per turn in the common case
         linkable = [item for item in batch if item.row["source"] != "fork"]
         last = {item.assistant_prefix_hashes[0] for item in linkable if item.assistant_prefix_hashes}
         self._probe(last)
@@ -191,8 +178,7 @@ class TrajectoryLinker:
         quoted = {(quote.answer, None) for item in linkable if not item.explicit_trajectory_id
                   for quote in self._quoted(item)}
         self._probe_answers({(tail.answer, tail.replied_to) for tail in map(self._tail, unresolved) if tail} | quoted)
-        # Older prefixes (rule 4) only where the tail settles nothing: a request whose history changed
-        # has several of them, and each is a probe (~35 us).
+        # Older prefixes (rule 4) only where the tail settles nothing: each is one more index probe
         self._probe({h for item in unresolved if not self._tail_pool(item) for h in item.assistant_prefix_hashes[1:]}
                     - last)
         wanted = sorted({c.trajectory_id for c in self._candidates.values()} |
@@ -210,8 +196,7 @@ class TrajectoryLinker:
             for turn_id, trajectory_id, depth, key in self.session.execute(sa_select(*columns)
                                                                            .where(col(Turn.id).in_(chunk))).all():
                 self._latest[trajectory_id] = self._candidate(turn_id, trajectory_id, depth, key)
-        # Which candidates already have a child (claimed): a second indexed lookup, by parent id. Read after the
-        # lock above: a child another writer added to these trajectories is committed, or waits for us.
+        # Claimed candidates, read after the lock: a child another writer added is committed, or waits for us
         by_id = self._candidates
         for chunk in chunks(sorted(by_id), 500):
             for (parent_id,) in self.session.execute(_PARENTS, {"ids": chunk}).all():

@@ -5,8 +5,8 @@
 - One writer task takes batches (up to ``batch_size`` turns or ``batch_wait_s`` after
   the first, or at once when a reader calls ``flush``); a worker thread parses,
   prepares and writes each in one transaction. Parsing waits for the worker: on the
-  event loop it cost ~50 us a turn (measured), and the parsed dicts would sit in the
-  queue for the cyclic garbage collector to walk again and again.
+  event loop it cost more, and the parsed dicts would sit in the queue for the cyclic
+  garbage collector to walk again and again (docs/engineering-notes.md).
 - When the queue is full, or a batch cannot be written, turns go (redacted) to an
   append-only spool file; they are re-ingested once the store accepts writes again.
   Re-ingesting is idempotent: turn ids are fixed before the spool, and stored ids are
@@ -129,8 +129,7 @@ class Recorder:
         self.accepted = 0  # lines submitted so far
         self.durable = 0  # every line numbered up to this is written, spooled, or failed for good
         self.on_durable: Callable[[int], None] | None = None
-        # Turns: queued, written, spooled, reingested, failed; and how written turns were linked
-        # (link_prefix, link_tail, link_summary, link_explicit, link_new) and the evidence refused (tail_ambiguous).
+        # Turns queued, written, spooled, reingested, failed; how they were linked (link_*), evidence refused
         self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None
@@ -241,8 +240,7 @@ class Recorder:
         """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.
 
         Everything the batch allocates dies here, on this thread, by reference counting: the cyclic
-        garbage collector is off meanwhile, as it would only walk those objects again and again
-        (~10% of the store process's CPU, measured).
+        garbage collector is off meanwhile, as it would only walk those objects again and again.
         """
         gc.disable()
         try:

@@ -25,10 +25,7 @@ from urllib.parse import unquote
 if TYPE_CHECKING:
     from flywheel.capture.turns import CapturedExchange
 
-# The patterns are written for the speed of Python's re: each starts with a character class, so the
-# engine jumps from candidate to candidate in C instead of trying every position; what would come first
-# (a word boundary, a lookbehind) is checked right after that first character. tests/test_redaction.py
-# holds them to their plain forms (docs/capture.md), which were 2-10x slower.
+# Each pattern starts with a character class, so re jumps between candidates in C (docs/capture.md)
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 _PHONE = re.compile(
     r"[+(\d](?<![\w+-].)"  # not preceded by a word character, "+" or "-"
@@ -77,10 +74,8 @@ class Rule:
     pattern: re.Pattern[str]
     accept: Callable[[str], bool] = field(default=lambda text: True)
     # A cheap test that is true whenever ``pattern`` can match: most text fails it and skips the regex
-    # (a 1 KB system prompt cost ~380 us through the four built-in regexes, ~5 us through their tests).
     may_match: Callable[[str], bool] = field(default=lambda text: True)
-    # The shortest text ``pattern`` can match. Most strings of a request are short (roles, names, ids, enum
-    # values): none of the built-in rules can match one under 6 characters, so they skip even the tests.
+    # The shortest text ``pattern`` can match: most of a request's strings (roles, ids) are shorter, skip even the test
     min_length: int = 1
 
 
@@ -198,7 +193,7 @@ def redact_exchange(exchange: CapturedExchange, redactor: Redactor | None) -> Re
     def maybe(text: str | None) -> str | None:
         return None if text is None else redactor.text(text)
 
-    out = copy.copy(exchange)  # not dataclasses.replace: it re-runs __init__ over every field (~20 us)
+    out = copy.copy(exchange)  # not dataclasses.replace: it re-runs __init__ over every field
     out.request, out.requested_model = redacted_request, redactor.text(exchange.requested_model)
     out.response = {**response, "choices": redacted_choices} if changed else response
     out.trajectory_id, out.task, out.group_id = maybe(exchange.trajectory_id), maybe(exchange.task), \
@@ -215,8 +210,7 @@ def _prompt_changed(before: dict[str, Any], after: dict[str, Any]) -> bool:
     return any(after[key] is not item for key, item in before.items() if key not in _NOT_PROMPT)
 
 
-# Never rendered into the prompt: a secret redacted here keeps the prompt's token ids. Any other field might be
-# (vLLM passes unknown ones to the chat template), so redacting one drops them.
+# Never rendered into the prompt (vLLM passes unknown fields to the template): redacting these keeps the token ids
 _NOT_PROMPT = frozenset({"metadata", "user", "model"})
 
 

@@ -349,8 +349,7 @@ _META = SchemaMeta.__table__  # type: ignore[attr-defined]
 
 
 def _connect_args(url: str) -> dict[str, Any]:
-    # One DuckDB worker thread: the store serves small batches; more threads only compete with
-    # the gateway's event loop for the cores (measured: -40% capture CPU on 2 cores).
+    # One DuckDB worker thread: for small batches more threads only compete with the gateway for the cores
     if url.startswith("duckdb:"):
         return {"config": {"threads": 1}}
     if url.startswith("postgresql"):
@@ -368,9 +367,8 @@ def _engine_options(url: str) -> dict[str, Any]:
 def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, Any]]) -> None:
     """Insert many rows at once: an Arrow table appended by DuckDB's relation API on DuckDB, executemany elsewhere.
 
-    DuckDB spends ~2-3 ms of CPU per parameter-bound INSERT row (executemany included); an Arrow
-    table goes in at a few microseconds per row. ``insert_into`` costs ~2 ms less per statement than
-    registering the table and running ``INSERT ... SELECT`` through SQLAlchemy (measured).
+    DuckDB binds parameters row by row (executemany included); an Arrow table goes in at once, and
+    ``insert_into`` beats registering it for ``INSERT ... SELECT`` (docs/engineering-notes.md).
     """
     if not rows:
         return
@@ -385,7 +383,7 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
 
 def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     """Set ``columns`` of many rows (matched by ``id``) at once: one ``UPDATE ... FROM`` an Arrow table on
-    DuckDB (a parameter-bound UPDATE costs ~1 ms per row there), executemany elsewhere."""
+    DuckDB (a parameter-bound UPDATE is dear per row there), executemany elsewhere."""
     if not rows:
         return
     table = model.__table__  # type: ignore[attr-defined]
@@ -408,9 +406,7 @@ def _arrow_view(session: Session, table: Any, rows: list[dict[str, Any]], column
     view = f"_flywheel_rows_{table.name}"
     connection.register(view, _arrow_table(table, rows, columns))
     yield view
-    # Not in a finally: after a failed statement (a write conflict) DuckDB refuses even this in the aborted
-    # transaction, and that error would replace the conflict, which retry_on_conflict retries. A view left
-    # registered is replaced by the next register of its name.
+    # Not in a finally: an aborted transaction refuses it, hiding the conflict retry_on_conflict retries
     connection.unregister(view)
 
 

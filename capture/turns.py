@@ -27,7 +27,7 @@ _NOT_PARAMS = {"messages", "prompt", "tools", "metadata", "model", "stream", "st
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{os.urandom(16).hex()}"  # 128 random bits, as uuid4().hex but ~8x cheaper
+    return f"{prefix}_{os.urandom(16).hex()}"  # 128 random bits, as uuid4().hex but cheaper
 
 
 def turn_id(exchange_id: str, position: int) -> str:
@@ -80,7 +80,7 @@ class PreparedTurn:
     parent_trajectory_id: str | None = None  # the sub-agent's parent, as the client tagged it
 
     def to_json(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it deep-copies the row (token ids, messages): ~190 us a turn.
+        # Not dataclasses.asdict: it deep-copies the row (token ids, messages)
         return {"row": {**self.row, "created_at": self.row["created_at"].isoformat()},
                 "explicit_trajectory_id": self.explicit_trajectory_id,
                 "assistant_prefix_hashes": self.assistant_prefix_hashes,

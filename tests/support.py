@@ -202,3 +202,23 @@ def warm_start(model_dir: Path | str, out_dir: Path | str, messages: Messages, a
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# What the loop tests train with: quick steps on the tiny model (lora_r, lora_alpha, seed: GRPOArgs' defaults)
+TINY_TRAIN_ARGS = """[train.args]
+learning_rate = 5e-3
+lora_r = 16
+lora_alpha = 32
+precision = "fp32"
+gradient_accumulation_steps = 1
+max_prompt_tokens = 256
+max_completion_tokens = 16
+seed = 0
+"""
+
+
+def tiny_loop_config(model: Path | str, tables: str) -> str:
+    """A gateway's TOML: ``model`` on the local engine as alias ``agent`` (8 tokens a reply), trained with
+    TINY_TRAIN_ARGS; ``tables`` are the test's own."""
+    return (f'[engines.local]\nmodel = {json.dumps(str(model))}\ndefault_max_tokens = 8\n'
+            f'[aliases.agent]\nengine = "local"\n{TINY_TRAIN_ARGS}{tables}')

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,8 @@ from langchain_core.messages.utils import count_tokens_approximately
 from flywheel.capture.history import branch_conversation
 from flywheel.capture.models import Turn
 from tests.gateway_process import GatewayProcess
-from tests.scripted_openai import Reply, ScriptedOpenAI
-from tests.test_stored_completions import gateway_config
+from tests.scripted_gateway import scripted_gateway_fixtures
+from tests.scripted_openai import Reply
 from tests.test_tail_linking import Stored, capture_counts, delta, stored
 
 KEYS = [f"sk-langchain-{i:02d}" for i in range(24)]
@@ -53,21 +53,7 @@ def reply(body: dict[str, Any]) -> Reply:
     return Reply(content=f"Here is a thought about that, number {uuid.uuid4().hex[:12]}.")
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    with ScriptedOpenAI(reply=reply) as upstream:
-        process = GatewayProcess(tmp_path_factory.mktemp("langchain"), gateway_config(upstream, *KEYS,
-                                                                                      admin="adm")).start()
-        yield process
-        process.stop()
-
-
-_unused_keys = iter(KEYS)
-
-
-@pytest.fixture
-def key() -> str:
-    return next(_unused_keys)
+gateway, key = scripted_gateway_fixtures(reply, KEYS, "langchain")
 
 
 # -- a LangChain agent --------------------------------------------------------------------------------------

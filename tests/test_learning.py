@@ -66,31 +66,17 @@ def mean_reward(client: openai.OpenAI) -> float:
 
 def test_rounds_of_capture_score_train_raise_the_reward(tmp_path: Path, judge: ScriptedJudge) -> None:
     from flywheel.trainer.tiny_model import build_tiny_model
-    from tests.support import warm_start
+    from tests.support import tiny_loop_config, warm_start
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
-    gateway = GatewayProcess(tmp_path, f"""
-[engines.local]
-model = "{model}"
-default_max_tokens = 8
-[aliases.agent]
-engine = "local"
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(model, f"""
 [auth]
 admin_key = "admin"
 {judge.config_toml}[groups]
 form_every_s = 3600
 [loop.gate]
 holdout_fraction = 0.0  # each forked request must form its group
-[train.args]
-learning_rate = 5e-3
-lora_r = 16
-lora_alpha = 32
-precision = "fp32"
-gradient_accumulation_steps = 1
-max_prompt_tokens = 256
-max_completion_tokens = 16
-seed = 0
-""").start()
+""")).start()
     try:
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         before = mean_reward(client)
@@ -108,7 +94,7 @@ seed = 0
                  "train", "--alias", "agent", "--config", str(gateway.config_file),
                  "--gateway", gateway.url, "--admin-key", "admin", "--promote"],
                 capture_output=True, text=True, timeout=600,
-                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a crash (one SIGSEGV seen in CI) shows its stack
+                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a crash shows its stack
             assert trained.returncode == 0, trained.stderr[-3000:]
             assert f"version {round_ + 1} written" in trained.stdout and "promoted" in trained.stdout
             served = httpx.get(f"{gateway.url}/flywheel/v1/aliases", headers=ADMIN).json()["data"][0]

@@ -101,27 +101,16 @@ def versions(gateway: GatewayProcess) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_a_dead_training_child_and_a_stop_mid_round_lose_no_group_and_train_none_twice(tmp_path: Path) -> None:
     from flywheel.trainer.tiny_model import build_tiny_model
-    from tests.support import warm_start
+    from tests.support import tiny_loop_config, warm_start
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
-    gateway = GatewayProcess(tmp_path, f"""
-[engines.local]
-model = "{model}"
-default_max_tokens = 8
-[aliases.agent]
-engine = "local"
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(model, """
 [groups]
 form_every_s = 1
 min_size = 4
 max_size = 4
 [judge]
 enabled = false
-[train.args]
-learning_rate = 5e-3
-precision = "fp32"
-gradient_accumulation_steps = 1
-max_prompt_tokens = 256
-max_completion_tokens = 16
 [loop]
 tick_s = 0.5
 score_every_s = 1
@@ -130,10 +119,9 @@ min_groups = 2
 offline = false
 [loop.canary]
 enabled = false
-""").start()
+""")).start()
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    # Rewards 1, 0, 1, 0, ... whatever the model said: every group of four consecutive conversations has two of
-    # each, so no round is skipped as untrainable (CI saw both groups all "blue" from the warm-started model).
+    # Rewards 1, 0, 1, 0, ... whatever the model said: every group of four has both, so no round is untrainable
     rewards = itertools.cycle([1.0, 0.0])
 
     def traffic(n: int) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
+from tests.support import tiny_loop_config
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -66,28 +67,14 @@ def test_unique_forked_traffic_without_feedback_is_gated_and_trained_again(tmp_p
     from flywheel.trainer.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
-    gateway = GatewayProcess(tmp_path, f"""
-[engines.local]
-model = "{model}"
-default_max_tokens = 8
-[aliases.agent]
-engine = "local"
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(model, f"""
 [capture]
 idle_close_s = 1
 [groups]
 form_every_s = 1
 fork_fraction = 1.0
 fork_k = 3
-{judge.config_toml}[train.args]
-learning_rate = 5e-3
-lora_r = 16
-lora_alpha = 32
-precision = "fp32"
-gradient_accumulation_steps = 1
-max_prompt_tokens = 256
-max_completion_tokens = 16
-seed = 0
-[loop]
+{judge.config_toml}[loop]
 tick_s = 0.5
 score_every_s = 1
 min_groups = 4
@@ -100,7 +87,7 @@ max_tokens = 8
 enabled = false
 [loop.monitor]
 enabled = false
-""").start()
+""")).start()
     try:
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         tickets = count(1000)

@@ -35,30 +35,16 @@ def status(gateway: GatewayProcess) -> dict[str, Any]:
 
 def test_traffic_with_feedback_is_trained_gated_and_promoted_by_the_loop(tmp_path: Path) -> None:
     from flywheel.trainer.tiny_model import build_tiny_model
-    from tests.support import warm_start
+    from tests.support import tiny_loop_config, warm_start
 
     model = warm_start(build_tiny_model(tmp_path / "tiny"), tmp_path / "colours", PROMPT, ANSWERS, steps=40)
-    gateway = GatewayProcess(tmp_path, f"""
-[engines.local]
-model = "{model}"
-default_max_tokens = 8
-[aliases.agent]
-engine = "local"
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(model, """
 [groups]
 form_every_s = 1
 min_size = 8
 max_size = 8
 [judge]
 enabled = false
-[train.args]
-learning_rate = 5e-3
-lora_r = 16
-lora_alpha = 32
-precision = "fp32"
-gradient_accumulation_steps = 1
-max_prompt_tokens = 256
-max_completion_tokens = 16
-seed = 0
 [loop]
 tick_s = 0.5
 score_every_s = 1
@@ -72,7 +58,7 @@ max_tokens = 8
 [loop.canary]
 fraction = 0.5
 max_pairs = 400
-""").start()  # no admin key: the admin API answers loopback callers, the CLI finds the gateway by itself
+""")).start()  # no admin key: the admin API answers loopback callers, the CLI finds the gateway by itself
     try:
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         deadline = time.monotonic() + 540

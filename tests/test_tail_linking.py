@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,8 @@ import pytest
 from flywheel.capture.history import branch_conversation
 from flywheel.capture.models import Turn
 from tests.gateway_process import GatewayProcess
-from tests.scripted_openai import Reply, ScriptedOpenAI
-from tests.test_stored_completions import gateway_config
+from tests.scripted_gateway import scripted_gateway_fixtures
+from tests.scripted_openai import Reply
 
 KEYS = [f"sk-tail-{i:02d}" for i in range(32)]
 OPENING = "Plan a weekend trip for two."
@@ -56,20 +56,7 @@ def reply(body: dict[str, Any]) -> Reply:
     return Reply(content=f"Here is a thought about that, number {uuid.uuid4().hex[:12]}.")
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    with ScriptedOpenAI(reply=reply) as upstream:
-        process = GatewayProcess(tmp_path_factory.mktemp("tail"), gateway_config(upstream, *KEYS, admin="adm")).start()
-        yield process
-        process.stop()
-
-
-_unused_keys = iter(KEYS)
-
-
-@pytest.fixture
-def key() -> str:
-    return next(_unused_keys)
+gateway, key = scripted_gateway_fixtures(reply, KEYS, "tail")
 
 
 # -- what agents do to their history -------------------------------------------------------------------

@@ -82,9 +82,7 @@ class LocalEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
     default_max_tokens: int = Field(default=256, ge=1)  # a request without max_tokens or max_completion_tokens
     max_batch_n: int = Field(default=16, ge=1)  # largest n one request may ask for
-    # torch threads for decoding. 0: the cores a training child leaves free (all but loop.train_threads), at
-    # least 1 — a decode step split across a core the child holds waits for it
-    # (bench/loop.py: p99 11x idle while a round trained with 2 threads on 2 cores, 0.96x with 1).
+    # Decode threads; 0: all cores but loop.train_threads (at least 1): a step split onto the child's core waits
     threads: int = Field(default=0, ge=0)
 
 
@@ -98,8 +96,7 @@ class OpenAIEngineConfig(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=512, ge=1)
     request_token_ids: bool = True  # ask vLLM for return_token_ids + logprobs (stripped for clients)
-    # The API server of every vLLM replica behind base_url (a load balancer; one server per GPU): adapters are loaded
-    # and unloaded on each of these, not through base_url, since vLLM's runtime LoRA API acts on the server it reaches
+    # Each vLLM server behind a load-balancing base_url: vLLM's runtime LoRA API acts on the one server it reaches
     replica_urls: list[Annotated[str, AfterValidator(_http_url)]] = Field(default_factory=list)
 
 
@@ -110,8 +107,7 @@ class AliasConfig(BaseModel):
     """A served model name: which engine, which base model, which adapter."""
 
     engine: str = "local"  # a key of [engines]
-    # The model name the engine serves. Default: the local engine's model; for an upstream engine, the one
-    # model its /v1/models lists (asked by `flywheel serve` at start-up; several or none is an error).
+    # Default: the local engine's model, or the one model an upstream's /v1/models lists (several or none: error)
     base_model: str | None = Field(default=None, min_length=1)
     adapter: str | None = None  # PEFT adapter directory served from start-up (else its latest promoted version)
     train_model: str | None = None  # base weights to train (directory or cached HF id); default: the local model
@@ -140,8 +136,7 @@ class AuthConfig(BaseModel):
 
     api_keys: list[Secret] = Field(default_factory=list)
     admin_key: Secret | None = None  # unset: admin API answers loopback clients only
-    # `flywheel serve` refuses a host other than loopback with neither client keys nor an admin key, unless
-    # this says the open server is meant (or --allow-unauthenticated): docs/security.md.
+    # Says a keyless server on a non-loopback host is meant: `flywheel serve` refuses one otherwise (docs/security.md)
     allow_unauthenticated: bool = False
 
     @model_validator(mode="after")
@@ -182,24 +177,17 @@ class CaptureConfig(BaseModel):
     idle_close_s: float = Field(default=600.0, gt=0)  # a trajectory with no new turn for this long is closed
     queue_size: int = Field(default=10_000, ge=1)  # turns waiting for the writer; beyond it they go to the spool
     batch_size: int = Field(default=1024, ge=1)  # turns per store transaction
-    # Longest wait to fill a batch: what a crash of the store process can lose (a gateway crash loses
-    # ~nothing: docs/capture.md). A reader that needs the latest turns cuts the wait short.
+    # Longest wait to fill a batch, which a reader needing the latest turns cuts short (docs/capture.md)
     batch_wait_s: float = Field(default=1.0, gt=0)
-    # How often the gateway hands what it answered to the store process (one socket write): what a
-    # crash of the gateway can lose. Each write wakes the store process; 50 ms instead of 10 ms took
-    # its event loop's CPU per turn from ~25 to ~11 us (measured).
+    # Answers go to the store process in one write this often: each write wakes it, a gateway crash loses this much
     handoff_s: float = Field(default=0.05, gt=0, le=1)
     retry_s: float = Field(default=2.0, gt=0)  # how often the spool is retried while the store refuses writes
-    # The store process's niceness: on a busy machine the request path gets the cores first and capture
-    # catches up in the gaps (the queue and the spool absorb the backlog). 0 = the gateway's priority.
+    # Store process niceness (0: the gateway's): requests get the cores first, capture catches up in the gaps
     store_nice: int = Field(default=10, ge=0, le=19)
-    # DuckDB's memory limit in the store process: its block cache, indexes, query memory. DuckDB's own default is
-    # 80% of the machine's RAM, a database server's share, not a sidecar's (docs/benchmarks.md, "Soak").
+    # DuckDB's memory limit: its default, 80% of RAM, is a database server's share, not a sidecar's ("Soak")
     store_memory_mb: int = Field(default=512, ge=64)
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
-    # Several replicas on one PostgreSQL store: a turn whose last answer is not stored yet waits this long for
-    # it (the replica that gave it may still be writing it) before it is linked without it. Unset: 5 s on a
-    # shared store, 0 on DuckDB (one store process reads every turn in order).
+    # A turn waits this long for a parent another replica may still be writing; unset: 5 s shared, 0 on DuckDB
     link_wait_s: float | None = Field(default=None, ge=0, le=300)
 
 
@@ -227,14 +215,11 @@ class TrainConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
     tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)
     max_groups: int = Field(default=64, ge=1)  # scored groups per round
-    # true: rounds are trained by trainer workers (`flywheel train --gateway URL` on a GPU machine, docs/deploy.md)
-    # through the admin API; the loop never trains in a child process of its own (the gateway needs no torch),
-    # gates what the workers report, and fails a round no worker reported within loop.train_timeout_s
+    # true: trainer workers train the rounds through the admin API, so the gateway needs no torch (docs/deploy.md)
     workers: bool = False
-    # A worker on another machine uploads each version (adapter + optimizer state) to the admin API: the largest
+    # The largest version (adapter + optimizer state) a worker on another machine may upload to the admin API
     max_upload_mb: int = Field(default=4096, ge=1)
-    # Which scored groups a round takes when more wait than max_groups: the newest were sampled by the policy
-    # closest to the one being trained (GRPO's ratio near 1); "oldest" drains the backlog in arrival order.
+    # Which groups a round takes beyond max_groups: the newest, sampled nearest the trained policy (ratio near 1)
     batch_order: Literal["newest", "oldest"] = "newest"
 
     @field_validator("args", mode="before")
@@ -331,9 +316,7 @@ class TrackingConfig(BaseModel):
 DEFAULT_ENGINES: dict[str, dict[str, Any]] = {"local": {"kind": "local"}}
 DEFAULT_ALIASES: dict[str, dict[str, Any]] = {"flywheel": {"engine": "local"}}
 ENV_PREFIX = "FLYWHEEL_"
-# Read by the CLI, not settings: the admin key a command sends (gateway/cli/common.py), which `flywheel serve`
-# takes as its admin key when none is configured (gateway/cli/preflight.py); the client key `flywheel autorl`'s
-# agent sends (gateway/cli/autorl.py) and the SDK's examples read.
+# Read by the CLI, not settings: the admin key its commands send (serve's when none is configured), the client key
 CLI_ADMIN_KEY_VARIABLE = "FLYWHEEL_ADMIN_KEY"
 CLI_API_KEY_VARIABLE = "FLYWHEEL_API_KEY"
 CLI_VARIABLES = frozenset({CLI_ADMIN_KEY_VARIABLE, CLI_API_KEY_VARIABLE})
@@ -344,8 +327,7 @@ class ReplicasConfig(BaseModel):
 
     follow_s: float = Field(default=5.0, gt=0, le=300)  # how often a replica reads which version serves (and canaries)
     campaign_s: float = Field(default=2.0, gt=0, le=60)  # how often a follower tries to take the loop over
-    # A replaced adapter is unloaded from a shared engine this long after the switch (other replicas may still
-    # route to it until they follow); unset: 2 x follow_s + 30 s on a shared store, at once on DuckDB.
+    # A replaced adapter stays loaded this long, for replicas that have not followed yet (default: docs/loop.md)
     retire_after_s: float | None = Field(default=None, ge=0)
 
 

@@ -18,8 +18,7 @@ class NotAnswering(RuntimeError):
 def tune_gc() -> None:
     """Fewer, cheaper collections for a server process, called once it has started: every request or
     captured turn allocates thousands of short-lived containers (freed by refcount), and full
-    collections walked every object imported at startup. Measured: ~20% of the store process's CPU
-    per turn; in the gateway ~80 us a request at saturation, most of it ~80 ms full collections.
+    collections walked every object imported at startup (docs/engineering-notes.md, "The store").
     Frozen startup objects and a 10k gen-0 threshold take most of it away."""
     gc.collect()
     gc.freeze()

@@ -54,8 +54,7 @@ def dumps_in_pieces(value: Any, depth: int) -> bytes:
 
 
 def _pieces(value: Any, depth: int, out: list[bytes]) -> None:
-    # Appended to one list and joined once at the end: joining at every level would copy a big line again
-    # and again, each copy holding the GIL.
+    # One list joined once: joining at every level would copy a big line again and again, holding the GIL
     if depth and isinstance(value, dict):
         out.append(b"{")
         for position, (key, item) in enumerate(value.items()):

@@ -65,8 +65,7 @@ class StoreLink:
     def __init__(self, settings: Settings, redactor: Redactor | None, *, max_unacked_bytes: int = 64 << 20) -> None:
         self.settings = settings
         self.redactor = redactor
-        # One socket write per handoff, not per exchange: every write wakes the store process on the
-        # other core, and those wakeups cost the gateway ~8% of its CPU at saturation (measured).
+        # One socket write per handoff, not per exchange: every write wakes the store process on the other core
         self.handoff_s = settings.capture.handoff_s
         self.max_unacked_bytes = max_unacked_bytes
         self.spool = Spool(settings.spool_path)
@@ -137,7 +136,7 @@ class StoreLink:
 
         It is serialized now, while its dicts are still in the CPU's caches, and only the line is
         kept: holding the dicts until the handoff (and walking them then, cold) cost the gateway
-        ~5% of its throughput at saturation (measured), serializing here ~0.3%. A big one
+        more (docs/benchmarks.md, "How the capture cost came down"). A big one
         (``gateway/serving/exchange_lines.py``) is serialized on the serializer thread instead, and
         so is every exchange submitted while one is there, so lines keep the order of submission.
         """
@@ -332,8 +331,7 @@ class StoreLink:
         self._flush()  # what this client was just answered is on the stream before its request is
         headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
         headers[INGEST_SEQ_HEADER] = str(self.sent)
-        # The store process sees a Unix socket, not the client: it learns the address from us (and only us: a
-        # client's own header of this name is overwritten here), so loopback-only admin routes work there too.
+        # Overwrites any client's own: the store process sees a Unix socket, and admits loopback by this header
         headers[CLIENT_HOST_HEADER] = request.client.host if request.client else ""
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         query = request.scope.get("query_string") or b""

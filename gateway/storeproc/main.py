@@ -3,8 +3,8 @@
 The gateway starts it (:mod:`flywheel.gateway.serving.store_link`) as ``python -m flywheel.gateway.storeproc.main``
 with its settings on stdin, and it lives as long as the gateway. Why a process of its own
 (docs/gateway.md, "Two processes"): DuckDB lets one process open a file (architecture §8), and
-capture's CPU — redaction, hashing, linking, inserts, ~0.1 ms a turn — must not take the
-GIL from the request path (measured: it halved the gateway's throughput when it did).
+capture's CPU — redaction, hashing, linking, inserts — must not take the GIL from the request
+path (docs/benchmarks.md, "How the capture cost came down").
 
 - Ingest: the gateway streams finished exchanges, one JSON line each, over a Unix socket;
   each goes to the recorder (batches, spool, re-ingest: ``capture/recorder.py``). Back on the
@@ -58,8 +58,7 @@ from flywheel.gateway.storeproc.versions import VersionError
 log = logging.getLogger("flywheel.store")
 
 _CHUNK = 1 << 20  # ingest socket reads
-# What a turn waits for its parent on a shared store (capture.link_wait_s unset): another replica's batch_wait_s
-# (1 s), handoff and write, with room for a loaded machine.
+# capture.link_wait_s unset, shared store: another replica's batch_wait_s, handoff and write, with room to spare
 SHARED_LINK_WAIT_S = 5.0
 
 
@@ -276,8 +275,7 @@ def main() -> None:
     configure_logging(settings)
     import uvicorn
 
-    # Keep-alive well past the gateway's (STORE_KEEPALIVE_S): the client drops an idle connection first, so it never
-    # sends a request down one this server is closing at that moment (CI: a round report failed with ClientOSError).
+    # Keep-alive past the gateway's (STORE_KEEPALIVE_S): it drops an idle connection first, never sends on a closing one
     uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30,
                 timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))

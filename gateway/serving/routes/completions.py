@@ -198,7 +198,7 @@ async def unless_client_leaves(receive: Receive, answer: Awaitable[T]) -> T:
     """The engine's answer, unless the client hangs up first: the answer is then cancelled, which stops the
     generation nobody would read (the local engine drops the job; the upstream request is closed).
 
-    One watcher task that cancels this one (~12 us a request, measured), not two tasks raced (~31 us).
+    One watcher task that cancels this one, not two tasks raced: the cheaper (docs/benchmarks.md).
     """
     task = asyncio.current_task()
     assert task is not None
@@ -230,8 +230,8 @@ async def _hangup(receive: Receive) -> None:
 class RecordedResponse(Response):
     """A JSON response whose exchange goes to the store link once its last byte is sent.
 
-    Not a ``BackgroundTask``: that one inspects its callable on every request (~1% of the
-    gateway's CPU at saturation) to decide between the event loop and a worker thread.
+    Not a ``BackgroundTask``: that one inspects its callable on every request to decide between
+    the event loop and a worker thread.
     """
 
     media_type = _JSON_MEDIA

@@ -137,9 +137,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
         tokens = logits.argmax(dim=-1)
     if not sampling.logprobs:
         return Picked(tokens.tolist())
-    # Logprobs are log_softmax(logits / temperature), before top-p: the distribution the
-    # token was drawn from as TRL recomputes it, and what vLLM reports with
-    # --logprobs-mode processed_logprobs. Temperature 0 (greedy) reports raw logits.
+    # log_softmax(logits / temperature) before top-p (raw when greedy): what TRL recomputes, vLLM's processed_logprobs
     logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     top = None

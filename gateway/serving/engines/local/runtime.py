@@ -99,8 +99,7 @@ class Runtime:
         if name not in self.adapters:
             raise NotFound(f"adapter {name!r} is not loaded")
         if len(self.adapters) == 1:
-            # PEFT cannot leave a PeftModel with zero adapters in a usable state:
-            # strip the LoRA layers and serve the plain base model again.
+            # PEFT leaves a PeftModel with zero adapters unusable: serve the plain base model again
             self.model = self.model.unload()
         else:
             if name in self.model.active_adapters:  # PEFT warns when deleting the active one: move off it

@@ -16,8 +16,7 @@ from typing import Any
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
-# A complete block, or an unterminated one running to the end of the text (the model hit
-# its eos or token limit right after the JSON, a common way small models end a call).
+# A complete block, or one running to the end of the text: small models often stop right after the JSON
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 
 

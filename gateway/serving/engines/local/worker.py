@@ -132,8 +132,7 @@ class Worker:
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._active: deque[tuple[Job, Generator[None, None, None]]] = deque()
         self._thread = threading.Thread(target=self._run, name="flywheel-local-engine", daemon=True)
-        # Jobs admitted and not yet finished or dropped; written by the worker only (``_active``
-        # is one short while a job steps, so its length is no count to read from outside).
+        # Jobs admitted, not yet finished or dropped: ``_active`` is one short while a job steps
         self.running_jobs = 0
 
     def start(self) -> None:
