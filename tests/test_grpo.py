@@ -300,3 +300,27 @@ def test_the_rollout_serves_the_kth_sample_of_each_slot_on_every_process() -> No
     out = rollout([None] * 4, SimpleNamespace(accelerator=SimpleNamespace(process_index=1)))
     assert out["completion_ids"] == [[3, 0], [3, 1], [3, 2], [3, 3]] and out["logprobs"] is None
     assert out["captured_reward"] == [0.0, 1.0, 2.0, 3.0] and out["env_mask"] == [[1, 1]] * 4
+
+
+def test_a_token_budget_trims_padding_and_the_reference_runs_once_per_sequence(trained: Trained,
+                                                                               tmp_path: Path) -> None:
+    from tests.test_grpo_micro_batches import reference_rows
+
+    base = load(trained.tiny)
+    groups = [answer_group(trained.tokenizer, base, QUESTIONS[0], "q0"), tool_group(trained.tokenizer, base)]
+    results, counts = {}, {}
+    for budget in (None, 64):  # 64 tokens: the two-turn tool sequences (~60) alone, the short answers together
+        args = GRPOArgs.tiny(num_train_epochs=2, beta=0.04, max_tokens_per_micro_batch=budget, progress=False)
+        with reference_rows() as rows:  # a global hook: it sees the model the round builds
+            results[budget] = train_round(trained.tiny, groups, args, out_dir=tmp_path / str(budget))
+        counts[budget] = set(rows.values())
+    whole, pieces = results[None].metrics, results[64].metrics
+    # 2 epochs over 8 sequences: each passes the reference (every LoRA layer, adapter off) once, not once an epoch
+    assert counts == {None: {8}, 64: {8}}
+    assert whole["charts/steps"] == pieces["charts/steps"] == 4  # a group a step
+    assert pieces["samples/forward_real_tokens"] == whole["samples/forward_real_tokens"]
+    assert pieces["samples/padding_frac"] < whole["samples/padding_frac"] / 2
+    # the first step trains the same parameters on the same sequences: the same loss, up to float32 round-off
+    assert results[64].steps[0]["loss"] == pytest.approx(results[None].steps[0]["loss"], rel=1e-4, abs=1e-6)
+    assert results[64].steps[0]["kl"] == pytest.approx(results[None].steps[0]["kl"], rel=1e-3, abs=1e-7)
+    assert results[64].config["trl"]["gradient_accumulation_steps"] == 1

@@ -6,6 +6,12 @@ batch; the reference recomputes it from the policy logprobs of TRL's forward (ch
 logits / temperature, log-softmax), and both are differentiated with respect to the LoRA weights.
 The comparison runs in float64: in float32 the backward's round-off alone (each side's gradient
 against float64's) exceeds the tolerance on LoRA gradient entries that nearly cancel.
+
+The trainer runs on the GPU when there is one. TRL's fused LM head keeps its log-softmax
+statistics and its logits gradient in float32 whatever the model's dtype, on CUDA in Triton
+kernels whose reduction order differs from the CPU's torch tiles: there the gradients are
+compared to 1e-4 relative plus 1e-5 of the tensor's largest entry (``TOLERANCES``; the CPU's
+absolute 1e-7 failed on a ``lora_A`` entry that nearly cancels, on an H100).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
 CISPO_EPSILON_MAX = 1.1  # cispo's epsilon_high is an absolute cap on the ratio (ScaleRL recommends 5.0)
 REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.2, 0.9, 0.4, 0.4]]  # two groups of four attempts
 
+# (rtol, atol) of the policy logprobs, the loss and the gradients; on CUDA the gradients' atol is relative to
+# the largest entry of each tensor (float32 folds in another order: entries near 0 differ by ~1e-6 of the largest)
+TOLERANCES = {"cpu": {"logps": (1.3e-6, 1e-5), "loss": (1e-5, 1e-7), "grad": (1e-4, 1e-7)},
+              "cuda": {"logps": (1e-5, 1e-5), "loss": (1e-4, 1e-7), "grad": (1e-4, 1e-5)}}
+
 CASES = [(loss_type, level, 0.04) for loss_type in LOSS_TYPES for level in ("token", "sequence")]
 CASES += [("dapo", "token", 0.0), ("grpo", "sequence", 0.0)]
 
@@ -41,7 +52,8 @@ def make_trainer(tiny_model: Path, loss_type: str, level: str, beta: float) -> A
     # round-off on entries that nearly cancel (~3e-7) is above that, whichever loss it differentiates
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
     config = GRPOConfig(
-        output_dir=str(tiny_model.parent / "grpo-loss-scratch"), report_to="none", use_cpu=True, bf16=False,
+        output_dir=str(tiny_model.parent / "grpo-loss-scratch"), report_to="none",
+        use_cpu=not torch.cuda.is_available(), bf16=False,
         disable_tqdm=True,
         per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
         max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE, loss_type=loss_type,
@@ -99,7 +111,9 @@ def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_mo
 
     trainer = make_trainer(tiny_model, loss_type, level, beta)
     model = trainer.model
-    batch = fixed_batch()
+    device = trainer.accelerator.device
+    tolerance = TOLERANCES[device.type]
+    batch = {k: v.to(device) for k, v in fixed_batch().items()}
     b_mask = batch["completion_mask"] * batch["tool_mask"]  # (B, T)
     with torch.no_grad():
         b_logps = policy_logps(model, batch)
@@ -124,7 +138,9 @@ def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_mo
                                                                   MAX_COMPLETION_LENGTH)
     sampled = batch["completion_mask"].bool()  # TRL's logprobs are 0 on padding
     with torch.no_grad():
-        torch.testing.assert_close(trl_logps[sampled], policy_logps(model, batch)[sampled].float())
+        rtol, atol = tolerance["logps"]
+        torch.testing.assert_close(trl_logps[sampled], policy_logps(model, batch)[sampled].float(), rtol=rtol,
+                                   atol=atol)
     loss, stats = grpo_loss(
         trl_logps, b_old_logps, batch["advantages"], b_mask, loss_type=loss_type,
         importance_sampling_level=level, epsilon_low=EPSILON_LOW,
@@ -134,11 +150,13 @@ def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_mo
     loss.backward()
     grads = lora_grads(model)
 
-    torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=tolerance["loss"][0], atol=tolerance["loss"][1])
     assert grads.keys() == trl_grads.keys() and len(grads) == 2 * 3 * 2  # 2 layers x 3 modules x (A, B)
     for name, grad in grads.items():
         assert float(grad.abs().max()) > 0, name
-        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+        rtol, atol = tolerance["grad"]
+        scale = float(grad.abs().max()) if device.type == "cuda" else 1.0
+        torch.testing.assert_close(grad, trl_grads[name], rtol=rtol, atol=atol * scale, msg=name)
 
     trl_names = {"losses/clipfrac_low": "clip_ratio/low_mean", "losses/clipfrac_high": "clip_ratio/high_mean",
                  "losses/clipfrac": "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean",
@@ -163,3 +181,41 @@ def test_approx_kl_is_zero_on_policy_and_grows_with_the_distance() -> None:
     assert 0 < float(near) < float(far)  # the masked 9.0 is not counted
     # k3 = r - 1 - log r, averaged over the two sampled tokens
     assert float(far) == pytest.approx(((math.exp(0.5) - 1 - 0.5) + (math.exp(-0.5) - 1 + 0.5)) / 2)
+
+
+def test_the_chunked_logprobs_equal_the_full_log_softmax_in_value_and_gradient(tiny_model: Path) -> None:
+    """TRL's fused LM head (what every training forward uses) against log_softmax over the full logits.
+
+    4,400 positions of the tiny model's hidden states through its lm_head in 256-row vocabulary
+    chunks: more than one tile of tokens (4,096) and 7 chunks of the vocabulary, the full
+    [tokens, vocab] logits never formed. The kernel keeps its statistics in float32 (TRL: bf16 sums
+    drift), so against float64 it agrees to float32's precision, not to the bit.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.kernels import ChunkedLogProbFunction
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 1000, (2, 2201), generator=generator)
+    with torch.no_grad():
+        b_hidden = model.model(input_ids=ids[:, :-1]).last_hidden_state.reshape(-1, model.config.hidden_size)
+    b_hidden.requires_grad_()
+    weight = model.lm_head.weight.detach().clone().requires_grad_()
+    b_targets = ids[:, 1:].reshape(-1)  # position t predicts token t + 1
+    upstream = torch.randn(b_targets.numel(), generator=generator, dtype=torch.float64)  # any loss of the logprobs
+
+    chunked, entropy, *_ = ChunkedLogProbFunction.apply(b_hidden, weight, None, b_targets, TEMPERATURE, 256, None,
+                                                       1.0, ("entropy",))
+    (chunked * upstream).sum().backward()
+    grads = b_hidden.grad.clone(), weight.grad.clone()
+    b_hidden.grad = weight.grad = None
+    full = (b_hidden @ weight.T / TEMPERATURE).log_softmax(-1)  # (N, V): what the chunks avoid
+    b_logps = full.gather(1, b_targets[:, None]).squeeze(1)
+    (b_logps * upstream).sum().backward()
+
+    assert chunked.shape == (4400,) and weight.size(0) > 6 * 256  # 1,540 rows: 7 chunks
+    torch.testing.assert_close(chunked.double(), b_logps.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(full.exp() * full).sum(-1).detach(), rtol=1e-6, atol=1e-5)
+    for grad, full_grad in zip(grads, (b_hidden.grad, weight.grad), strict=True):
+        torch.testing.assert_close(grad, full_grad, rtol=1e-5, atol=1e-6 * float(full_grad.abs().max()))

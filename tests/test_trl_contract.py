@@ -1,9 +1,12 @@
 """What trainer/grpo.py relies on in TRL's private GRPOTrainer methods, checked on a real trainer.
 
 ``CapturedGRPOTrainer`` wraps ``_generate_and_score_completions`` (reads and replaces keys of its
-output), ``_get_per_token_logps_and_entropies`` (catches the policy logprobs of the loss's forward)
-and ``_compute_loss`` (logs approx_kl beside it). None of this is TRL's public API: pyproject.toml
-pins TRL to the minor version these tests pass on, and each failure says what changed.
+output; sets ``beta`` to 0 around it to skip the reference forward of samples it already has),
+``_get_per_token_logps_and_entropies`` (catches the policy logprobs of the loss's forward, and calls
+it on token-budget pieces of the rows), ``compute_loss`` (trains a micro-batch piece by piece) and
+``_compute_loss`` (logs approx_kl beside it). It relies on TRL's fused LM head for logprobs that never
+materialize the [tokens, vocab] logits. None of this is TRL's public API: pyproject.toml pins TRL to
+the minor version these tests pass on, and each failure says what changed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def test_the_installed_trl_is_the_one_pyproject_pins() -> None:
     ("_get_per_token_logps_and_entropies", ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                             "batch_size", "compute_entropy"]),
     ("_compute_loss", ["self", "model", "inputs"]),
+    ("compute_loss", ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]),
 ])
 def test_the_wrapped_methods_keep_their_signatures(method: str, leading: list[str]) -> None:
     from trl import GRPOTrainer
@@ -133,3 +137,26 @@ def test_the_wrapper_clips_against_the_captured_logprobs_and_logs_approx_kl(trai
     # the captured logprobs (-1.0 ...) are far from the random policy's (~ -7): the policy is not the sampler
     assert logged["approx_kl"][0] > 1.0
     assert "clip_ratio/region_mean" in logged, CHANGED + "clip_ratio/region_mean is no longer logged (losses/clipfrac)"
+
+
+def test_the_reference_forward_runs_only_when_beta_is_not_zero() -> None:
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "if self.beta != 0.0:" in source and "ref_per_token_logps = None" in source, (
+        CHANGED + "the reference forward is no longer gated on self.beta: the trainer cannot skip it for samples "
+        "whose reference logprobs it already has")
+
+
+def test_the_loss_forward_never_materializes_the_logits(trainer: Any) -> None:
+    # TRL's fused LM head projects the hidden states through lm_head's weight in tiles and keeps only the
+    # sampled tokens' logprobs: lm_head itself (the [tokens, vocab] logits) is never called
+    calls: list[tuple[int, ...]] = []
+    lm_head = trainer.model.get_output_embeddings()
+    handle = lm_head.register_forward_hook(lambda module, args, output: calls.append(tuple(output.shape)))
+    try:
+        output = trainer._generate_and_score_completions([{"prompt": "g", "slot": 0} for _ in range(4)])
+        trainer._compute_loss(trainer.model, output)
+    finally:
+        handle.remove()
+    assert calls == [], CHANGED + f"the logprob forwards compute the full logits {calls}: add_fused_lm_head is gone"

@@ -55,7 +55,7 @@ from typing import Any, Literal, cast
 
 from flywheel.capture.batches import TrainingGroup
 from flywheel.trainer import adapters
-from flywheel.trainer.grpo_loss import LOSS_TYPES, LossType, approx_kl
+from flywheel.trainer.grpo_loss import LOSS_TYPES, LossType, approx_kl, piece_weight
 from flywheel.trainer.samples import AdvantageScale, Sample, SampleBatch, Skipped, Truncation, build_samples
 
 
@@ -112,6 +112,10 @@ class GRPOArgs:
     """micro-batches per optimizer step (lowered automatically when the round has fewer groups)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward: less memory, ~30% slower"""
+    max_tokens_per_micro_batch: int | None = None
+    """token budget: each optimizer step's sequences are trained in length-bucketed pieces of at most this many
+    forwarded tokens (rows x padded width), padding trimmed per piece; None: TRL's micro-batches of
+    per_device_train_batch_size sequences padded to the longest of the step (docs/trainer.md)"""
 
     # data: groups -> samples
     num_generations: int | None = None
@@ -254,22 +258,24 @@ class CapturedRollout:
         self.plan = plan
         self.rows: list[dict[str, Any]] = []
         self.served: list[Sample] = []
+        self.served_indices: list[int] = []
         self.served_native: list[bool] = []
         self.tokens = 0  # prompt + completion tokens served (what the forward/backward passes process)
         self.sampled_tokens = 0
 
+    def sample_indices(self, rows: list[dict[str, Any]], process_index: int) -> list[int]:
+        """Indices into ``samples`` of the sequences these rows get on this process."""
+        g = self.plan.group_size
+        # Global position of each row: accelerate hands process p the p-th contiguous slice of the batch.
+        offset = process_index * len(rows)
+        return [self.plan.slots[row["slot"]][(offset + j) % g] for j, row in enumerate(rows)]
+
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         if len(self.rows) != len(prompts):
             raise RuntimeError("CapturedRollout needs the batch rows: use it with CapturedGRPOTrainer")
-        g = self.plan.group_size
-        # Global position of each row: accelerate hands process p the p-th contiguous slice of the batch.
-        offset = trainer.accelerator.process_index * len(prompts)
-        served, native = [], []
-        for j, row in enumerate(self.rows):
-            k = (offset + j) % g
-            served.append(self.samples[self.plan.slots[row["slot"]][k]])
-            native.append(self.plan.native[row["slot"]])
-        self.served, self.served_native = served, native
+        self.served_indices = self.sample_indices(self.rows, trainer.accelerator.process_index)
+        served = [self.samples[i] for i in self.served_indices]
+        self.served, self.served_native = served, [self.plan.native[row["slot"]] for row in self.rows]
         self.tokens += sum(len(s.prompt_ids) + len(s.completion_ids) for s in served)
         self.sampled_tokens += sum(s.sampled_tokens for s in served)
         logprobs = None
@@ -299,15 +305,36 @@ def captured_trainer_class() -> type:
     from trl.models.utils import disable_gradient_checkpointing
 
     class CapturedGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer, trained on captured samples served by a ``CapturedRollout``."""
+        """TRL's GRPOTrainer, trained on captured samples served by a ``CapturedRollout``.
 
-        advantage_diffs: list[float]
+        ``max_tokens_per_micro_batch``: each micro-batch is trained in pieces of length-bucketed
+        sequences of at most that many forwarded tokens (``token_budget_pieces``); None: whole.
+        """
+
         _loss_logps: list[Any] | None = None  # collects the policy logprobs of TRL's forward inside _compute_loss
+
+        def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+            self.advantage_diffs: list[float] = []
+            self.reference_logps: dict[int, Any] = {}  # sample index -> log pi_ref of its completion, once a round
+            self.forward_tokens = 0  # positions the forwards processed, padding included
+            self.forward_real_tokens = 0  # the real (unpadded) tokens among them
 
         def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
             rollout = cast(CapturedRollout, self.rollout_func)
             rollout.rows = inputs  # TRL hands rollout_func the prompts only; it needs each row's slot
-            output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            # The reference policy is frozen: its logprobs of a sample are computed the first time it is served,
+            # not again each epoch; TRL makes that forward only when beta != 0.
+            indices = rollout.sample_indices(inputs, self.accelerator.process_index)
+            known = self.beta != 0.0 and all(i in self.reference_logps for i in indices)
+            beta, self.beta = self.beta, (0.0 if known else self.beta)
+            try:
+                output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            finally:
+                self.beta = beta
+            if self.beta != 0.0:
+                self._reuse_reference_logps(output, rollout.served_indices, known)
             mode = "train" if cast(Any, self.model).training else "eval"
             device = output["advantages"].device
 
@@ -347,6 +374,42 @@ def captured_trainer_class() -> type:
                 self._metrics[mode]["behaviour/captured_logprob_frac"].append(0.0)
             return output
 
+        def _reuse_reference_logps(self, output: dict[str, Any], indices: list[int], known: bool) -> None:
+            """Keep the reference logprobs TRL just computed, or put the kept ones back (0 on padding, as TRL's)."""
+            lengths = output["completion_mask"].sum(1).tolist()
+            if not known:
+                for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+                    self.reference_logps.setdefault(i, output["ref_per_token_logps"][row, :n].clone())
+                return
+            b_ref_logps = torch.zeros(output["completion_mask"].shape, dtype=self.reference_logps[indices[0]].dtype,
+                                      device=output["completion_mask"].device)
+            for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+                b_ref_logps[row, :n] = self.reference_logps[i]
+            output["ref_per_token_logps"] = b_ref_logps
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            budget = self.max_tokens_per_micro_batch
+            if budget is None or return_outputs:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if self.is_deepspeed_enabled:  # its backward also steps the optimizer: one backward per micro-batch
+                raise ValueError("max_tokens_per_micro_batch does not work under DeepSpeed")
+            b_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            pieces = token_budget_pieces(inputs["prompt_mask"].sum(1).tolist(),
+                                         inputs["completion_mask"].sum(1).tolist(), budget)
+            done = torch.zeros((), device=b_mask.device)
+            for k, rows in enumerate(pieces):
+                piece = take_rows(inputs, rows)
+                weight = piece_weight(self.loss_type, len(rows), float(b_mask[rows].sum()), b_mask.size(0),
+                                      float(b_mask.sum()))
+                if k == len(pieces) - 1:  # the trainer backpropagates the last; the others are already done
+                    return super().compute_loss(model, piece) * weight + done
+                with self.accelerator.no_sync(model):  # gradients are reduced across processes once, at the last
+                    loss = super().compute_loss(model, piece) * weight
+                    self.accelerator.backward(loss)
+                done = done + loss.detach()
+            raise AssertionError("a micro-batch has at least one sequence")
+
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
             # approx_kl beside TRL's loss, from the policy logprobs of TRL's own forward (no second forward)
             self._loss_logps = []
@@ -374,11 +437,46 @@ def captured_trainer_class() -> type:
 
         def _get_per_token_logps_and_entropies(self, model: Any, input_ids: Any, attention_mask: Any,
                                                logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
-            output = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                *args, **kwargs)
+            budget = self.max_tokens_per_micro_batch
+            text_only = not args and all(v is None for k, v in kwargs.items() if k not in _FORWARD_OPTIONS)
+            if budget is None or input_ids.numel() <= budget or not text_only:
+                output = self._forward_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            else:  # TRL's forwards outside the loss (reference, old logprobs) take whole batches: piece them too
+                output = self._forward_pieces(model, input_ids, attention_mask, logits_to_keep, budget, **kwargs)
             if self._loss_logps is not None:
                 self._loss_logps.append(output[0].detach())
             return output
+
+        def _forward_logps(self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, *args: Any,
+                           **kwargs: Any) -> Any:
+            self.forward_tokens += input_ids.numel()
+            self.forward_real_tokens += int(attention_mask.sum())
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+
+        def _forward_pieces(self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, budget: int,
+                            **kwargs: Any) -> Any:
+            """TRL's forward on token-budget pieces of the rows, reassembled in the rows' order and width."""
+            p = input_ids.size(1) - logits_to_keep
+            prompt_lens = attention_mask[:, :p].sum(1).tolist()
+            completion_lens = attention_mask[:, p:].sum(1).tolist()
+            kwargs.pop("batch_size", None)
+            parts: list[tuple[Any, ...]] = []
+            order: list[int] = []
+            for rows in token_budget_pieces(prompt_lens, completion_lens, budget):
+                width_p, width_c = max(prompt_lens[i] for i in rows), max(completion_lens[i] for i in rows)
+                columns = slice(p - width_p, p + width_c)  # left-padded prompts, right-padded completions
+                logps, entropies, aux_loss = self._forward_logps(
+                    model, input_ids[rows, columns], attention_mask[rows, columns], width_c, **kwargs)
+                pad = (0, logits_to_keep - width_c)  # TRL's logprobs and entropies are 0 on padding
+                parts.append((torch.nn.functional.pad(logps, pad),
+                              None if entropies is None else torch.nn.functional.pad(entropies, pad), aux_loss))
+                order += rows
+            back = torch.tensor(order, device=input_ids.device).argsort()
+            logps = torch.cat([part[0] for part in parts])[back]
+            entropies = None if parts[0][1] is None else torch.cat([part[1] for part in parts])[back]
+            aux_loss = None if parts[0][2] is None else torch.stack([part[2] for part in parts]).mean()
+            return logps, entropies, aux_loss
 
         def _policy_logps(self, output: dict[str, Any]) -> Any:
             """Per-token logprobs of the batch's completions under the current policy, no gradient."""
@@ -393,6 +491,61 @@ def captured_trainer_class() -> type:
             return logps
 
     return CapturedGRPOTrainer
+
+
+# --------------------------------------------------------------------------- token-budget pieces
+
+
+# The per-token keys of TRL's batch, by side: prompts are left-padded, completions right-padded.
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+COMPLETION_KEYS = ("completion_ids", "completion_mask", "tool_mask", "old_per_token_logps", "sampling_per_token_logps",
+                   "ref_per_token_logps")
+
+
+_FORWARD_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")  # the rest: multimodal tensors
+
+
+def token_budget_pieces(prompt_lens: list[int], completion_lens: list[int], budget: int) -> list[list[int]]:
+    """Rows grouped by length into pieces of at most ``budget`` forwarded tokens (rows x padded width).
+
+    Rows are taken longest first, so a piece holds sequences of similar length; its width is its
+    longest prompt plus its longest completion, the padding beyond them trimmed. A sequence
+    longer than the budget is a piece alone.
+    """
+    order = sorted(range(len(prompt_lens)), key=lambda i: prompt_lens[i] + completion_lens[i], reverse=True)
+    pieces: list[list[int]] = []
+    piece: list[int] = []
+    width_p = width_c = 0
+    for i in order:
+        p, c = max(width_p, prompt_lens[i]), max(width_c, completion_lens[i])
+        if piece and (len(piece) + 1) * (p + c) > budget:
+            pieces.append(piece)
+            piece, p, c = [], prompt_lens[i], completion_lens[i]
+        piece.append(i)
+        width_p, width_c = p, c
+    if piece:
+        pieces.append(piece)
+    return pieces
+
+
+def take_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The rows of a TRL batch, with the padding columns that none of them needs trimmed."""
+    import torch
+
+    index = torch.tensor(rows, device=inputs["prompt_ids"].device)
+    width_p = int(inputs["prompt_mask"][index].sum(1).max())
+    width_c = int(inputs["completion_mask"][index].sum(1).max())
+    size = inputs["prompt_ids"].size(0)
+    piece: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == size:
+            value = value[index]
+            if key in PROMPT_KEYS:
+                value = value[:, value.size(1) - width_p:]
+            elif key in COMPLETION_KEYS:
+                value = value[:, :width_c]
+        piece[key] = value
+    return piece
 
 
 # --------------------------------------------------------------------------- one round
@@ -427,6 +580,14 @@ def _target_modules(model: Any, spec: list[str] | str) -> list[str] | str:
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear) and module is not output}
     return sorted(names)
+
+
+def _micro_batches(args: GRPOArgs, per_device: int, accumulation: int) -> dict[str, Any]:
+    if args.max_tokens_per_micro_batch is None:
+        return {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
+    # Under a token budget TRL's micro-batch is the whole step, which the trainer cuts into length-bucketed pieces:
+    # the same sequences per optimizer step, grouped by length across all of them instead of at random.
+    return {"per_device_train_batch_size": per_device * accumulation, "gradient_accumulation_steps": 1}
 
 
 def _checkpointing(args: GRPOArgs) -> dict[str, Any]:
@@ -497,6 +658,13 @@ def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: S
         metrics[key] = metrics.get(key, 0.0) + skip.members
     # Unknown stays absent: NaN is not JSON, and the store's JSON columns must take these.
     return {k: v for k, v in metrics.items() if math.isfinite(v)}, steps
+
+
+def _padding_metrics(trainer: Any) -> dict[str, float]:
+    """Tokens the policy and reference forwards processed, padding included, and the real ones among them."""
+    forwarded, real = trainer.forward_tokens, trainer.forward_real_tokens
+    return {"samples/forward_tokens": float(forwarded), "samples/forward_real_tokens": float(real),
+            "samples/padding_frac": 1.0 - real / forwarded if forwarded else 0.0}
 
 
 def _skip_counts(skipped: list[Skipped]) -> dict[str, dict[str, int]]:
@@ -601,8 +769,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
-            per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-            **_checkpointing(args),
+            **_micro_batches(args, per_device, accumulation), **_checkpointing(args),
             num_generations=g, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations,
@@ -616,8 +783,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
             trainer = captured_trainer_class()(
                 model=model, reward_funcs=[passthrough_reward], args=trl_config, train_dataset=dataset,
-                processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout)
-        trainer.advantage_diffs = []
+                processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
+                max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
         if not args.progress:  # without a progress bar the HF Trainer prints every log dict instead
             from transformers import PrinterCallback
 
@@ -630,6 +797,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         # 5. metrics, resolved config, provenance; then the adapter directory
         metrics, steps = _round_metrics(trainer.state.log_history, trainer.state.global_step, batch, plan, rollout,
                                         args)
+        metrics.update(_padding_metrics(trainer))
         metrics["charts/optimizer_resumed"] = float(optimizer_status == "resumed")
         policy = trainer.accelerator.unwrap_model(trainer.model)
         config["derived"]["optimizer_state"] = optimizer_status

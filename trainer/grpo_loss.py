@@ -142,6 +142,22 @@ def grpo_loss(b_logps: Tensor, b_old_logps: Tensor, b_advantages: Tensor, b_mask
     return loss, stats
 
 
+def piece_weight(loss_type: str, rows: int, tokens: float, total_rows: int, total_tokens: float) -> float:
+    """What the loss of a piece of a micro-batch (``rows`` sequences, ``tokens`` sampled tokens) is multiplied by.
+
+    A micro-batch split into pieces (``GRPOArgs.max_tokens_per_micro_batch``) is trained piece by
+    piece; the weighted piece losses add up to the micro-batch's loss, term by term (step 5):
+    ``dapo``, ``cispo``: token sums over the step's ``num_items_in_batch``, which add up as they
+    are; ``grpo``, ``sapo``, ``dr_grpo``: means over sequences, weighted by the piece's share of
+    them; ``bnpo``: a token mean, weighted by the piece's share of the sampled tokens.
+    """
+    if loss_type in ("dapo", "cispo"):
+        return 1.0
+    if loss_type == "bnpo":
+        return tokens / total_tokens if total_tokens > 0 else 0.0
+    return rows / total_rows
+
+
 def _level_mean(x: Tensor, mask: Tensor) -> Tensor:
     # a token-level statistic: over sampled tokens; a sequence-level one (B, 1): over sequences (as TRL logs them)
     return x.mean() if x.size(1) == 1 else masked_mean(x, mask)
