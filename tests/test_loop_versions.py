@@ -157,6 +157,7 @@ offline = false
 [loop.canary]
 fraction = 0.3
 alpha = 0.05
+pair_wait_s = 0.5  # every conversation here is a new task: its reward is paired in arrival order after 0.5 s
 [loop.monitor]
 alpha = 0.05
 """
@@ -238,4 +239,44 @@ def test_worse_candidate_is_rejected_and_a_drop_after_promotion_rolls_back(tmp_p
     assert rows[2]["status"] == "rolled_back" and "monitor" in rows[2]["reason"]
     assert rows[2]["gate"]["monitor"]["decision"] == "worse"
     assert "agent@2" not in vllm.loras
+    gateway.stop()
+
+
+SAME_TASKS = """
+[loop]
+tick_s = 0.3
+[loop.gate]
+offline = false
+[loop.canary]
+fraction = 0.5
+pair_wait_s = inf  # same-context pairs only: a reward whose task never gets the other version never counts
+"""
+TASKS = {"reset my password": 0.0, "refund order 17": 0.2, "change my address": 0.45, "cancel my plan": 0.65}
+
+
+def test_a_better_candidate_is_shown_better_on_pairs_of_the_same_task(tmp_path: Path, vllm: VllmStandIn) -> None:
+    """Tasks differ more (0 to 0.65) than the versions do (+0.3 on every task): arrival-order pairs would
+    mostly measure which task came; pairs of the same task measure the version, and the test decides on them."""
+    gateway = start(tmp_path, vllm, SAME_TASKS)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
+    wait_for(lambda: status(gateway)["canary"], what="the gate to start the canary")
+    tasks = random.Random(11)
+    for n in range(200):  # bounded: it takes a few dozen pairs
+        task = tasks.choice(list(TASKS))
+        model, completion_id, _ = served_by(client, [{"role": "system", "content": "You are a support agent."},
+                                                    {"role": "user", "content": task}])
+        reward = TASKS[task] + (0.3 if model == "agent@1" else 0.0)
+        feedback = httpx.post(f"{gateway.url}/flywheel/v1/feedback", timeout=30,
+                              json={"completion_id": completion_id, "reward": reward})
+        assert feedback.status_code == 200, feedback.text
+        if n % 5 == 4 and status(gateway)["serving"]["version"] == 1:  # status every 5th: it is the slow call
+            break
+    wait_for(lambda: status(gateway)["serving"]["version"] == 1, what="the promotion")
+    version = admin(gateway, "GET", "/aliases/agent/versions")["data"][0]
+    online = version["gate"]["online"]
+    assert version["status"] == "promoted" and online["decision"] == "better" and online["p_better"] <= 0.05, online
+    assert online["pairs"] == online["same_context_pairs"] > 0 and online["arrival_pairs"] == 0, online
+    assert online["mean_difference"] == pytest.approx(0.3), online  # every pair: one task, both versions
+    assert version["reason"].startswith("canary: better than version 0"), version["reason"]
     gateway.stop()
