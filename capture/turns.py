@@ -56,6 +56,7 @@ class CapturedExchange:
     group_id: str | None = None  # X-Flywheel-Group-Id
     source: str = "client"  # "client" | "fork"
     client_choices: int | None = None  # forked request: choices from this index on are siblings the client never saw
+    other_arm: tuple[int, int, str] | None = None  # (choice index, adapter_version, engine_model): a canary's fork
     # Fixed where the exchange is made: its turns' ids derive from it, so a resent or re-spooled exchange is skipped.
     exchange_id: str = field(default_factory=lambda: os.urandom(16).hex())
 
@@ -119,6 +120,9 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
         completion_ids = choice.get("token_ids")
         index = int(choice.get("index", 0))
         forked = exchange.client_choices is not None and index >= exchange.client_choices
+        other = exchange.other_arm
+        version, engine_model = ((other[1], other[2]) if other is not None and index == other[0]  # the other arm's
+                                 else (exchange.adapter_version, exchange.engine_model))
         row: dict[str, Any] = {
             "id": turn_id(exchange.exchange_id, position),
             "completion_id": exchange.completion_id,
@@ -129,8 +133,8 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
             "latency_ms": exchange.latency_ms,
             "requested_model": exchange.requested_model,
             "alias": exchange.alias,
-            "engine_model": exchange.engine_model,
-            "adapter_version": exchange.adapter_version,
+            "engine_model": engine_model,
+            "adapter_version": version,
             "client_key_id": exchange.client_key_id,
             "request_messages": redacted_messages,
             "tools": tools,

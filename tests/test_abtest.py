@@ -4,10 +4,15 @@ Continuous monitoring: the test is checked after every pair, as the loop does ev
 A/A streams (both arms drawn from one distribution) must declare "better" at most ``alpha``
 of the time; a naive t-test re-run at every look, simulated on the same streams, exceeds its
 nominal 5% by far — which shows the simulation can see the inflation the test must avoid.
+
+Same-context pairing (``pair_finished``) is simulated on traffic whose contexts differ far more than
+the versions do: requests repeat tasks of very different difficulty, the canary gets a share of them.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 import statistics
@@ -15,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flywheel.gateway.serving.loop.abtest import SequentialTest
+from flywheel.gateway.serving.loop.abtest import Finished, SequentialTest, pair_finished
 
 Draw = Callable[[random.Random], float]
 
@@ -93,3 +98,60 @@ def test_p_values_and_rewards_outside_the_range_are_handled() -> None:
     assert test.decision() == "better"
     assert test.better.p_value <= 0.05 and test.worse.p_value == 1.0
     assert test.mean_difference == pytest.approx(10.0)
+
+
+def task_traffic(seed: int, *, requests: int, gain: float, fraction: float, tasks: int = 200,
+                 zipf: bool = True) -> list[Finished]:
+    """One reward a second from ``tasks`` tasks of very different difficulty (mean reward 0.9 for the first down
+    to 0.05 for the last), a little noise within a task; ``zipf``: a few frequent tasks and many rare (harder)
+    ones, else all equally frequent. The candidate (``fraction`` of requests) earns ``gain`` more on each."""
+    rng = random.Random(seed)
+    cumulative = list(itertools.accumulate(1 / (k + 1) if zipf else 1.0 for k in range(tasks)))
+    rows = []
+    for second in range(requests):
+        task = bisect.bisect(cumulative, rng.random() * cumulative[-1])
+        candidate = rng.random() < fraction
+        reward = 0.9 - 0.85 * task / tasks + (gain if candidate else 0.0) + rng.gauss(0, 0.05)
+        rows.append(Finished(at=float(second), candidate=candidate, context=f"task-{task}", reward=reward))
+    return rows
+
+
+def decide(rows: list[Finished], *, same_context: bool, wait_s: float = math.inf, max_pairs: int = MAX_PAIRS) -> str:
+    """The decision of a test looking after every pair (a pair, once formed, never changes: see below)."""
+    test = SequentialTest(alpha=ALPHA, max_pairs=max_pairs)
+    if same_context:
+        return test.add_pairs(pair_finished(rows, now=math.inf, wait_s=wait_s))
+    return test.add_all([r.reward for r in rows if r.candidate], [r.reward for r in rows if not r.candidate])
+
+
+@pytest.mark.parametrize(("fraction", "wait_s"), [(0.5, math.inf), (0.1, 30.0)],
+                         ids=["half-same-context-only", "canary-10pct-with-arrival-fallback"])
+def test_same_context_pairing_keeps_a_a_false_promotions_under_alpha(fraction: float, wait_s: float) -> None:
+    runs, requests = 400, int(MAX_PAIRS / fraction * 1.2)
+    promoted = sum(decide(task_traffic(seed, requests=requests, gain=0.0, fraction=fraction), same_context=True,
+                          wait_s=wait_s) == "better" for seed in range(runs))
+    assert promoted / runs <= ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / runs), promoted
+
+
+def test_pairs_once_formed_never_change_as_rewards_arrive() -> None:
+    rows = task_traffic(5, requests=600, gain=0.0, fraction=0.3, tasks=40)
+    final = pair_finished(rows, now=math.inf, wait_s=20.0)
+    kinds = {p.kind for p in final}
+    assert kinds == {"context", "arrival"}, kinds  # both kinds happen in this traffic
+    for now in range(0, 640, 7):  # a look every 7 s sees what had arrived by then: a prefix of the final pairs
+        seen = pair_finished([r for r in rows if r.at <= now], now=now, wait_s=20.0)
+        assert seen == final[:len(seen)], now
+    used = [r.reward for p in final for r in rows if r.reward in (p.candidate, p.baseline)]
+    assert len(used) == len(set(used)) == 2 * len(final)  # no reward is in two pairs
+
+
+def test_same_context_pairs_decide_where_arrival_order_pairs_cannot() -> None:
+    """Context-heavy variance (40 tasks from 0.9 to 0.05, noise 0.05) and a modest gain of 0.05, at the traffic of
+    a small deployment: 200 pairs at most."""
+    runs, max_pairs = 200, 200
+    streams = [task_traffic(seed, requests=int(max_pairs / 0.3 * 1.2), gain=0.05, fraction=0.3, tasks=40, zipf=False)
+               for seed in range(runs)]
+    by_context = sum(decide(rows, same_context=True, wait_s=60.0, max_pairs=max_pairs) == "better" for rows in streams)
+    by_arrival = sum(decide(rows, same_context=False, max_pairs=max_pairs) == "better" for rows in streams)
+    print(f"better within {max_pairs} pairs: same context {by_context}/{runs}, arrival order {by_arrival}/{runs}")
+    assert by_context >= 0.9 * runs and by_context >= 3 * by_arrival, (by_context, by_arrival)

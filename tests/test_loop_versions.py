@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 from flywheel.gateway.cli import app as cli
 from tests.gateway_process import GatewayProcess
+from tests.scripted_judge import ScriptedJudge
+from tests.scripted_openai import Reply
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for
 
@@ -157,6 +159,7 @@ offline = false
 [loop.canary]
 fraction = 0.3
 alpha = 0.05
+pair_wait_s = 0.5  # every conversation here is a new task: its reward is paired in arrival order after 0.5 s
 [loop.monitor]
 alpha = 0.05
 """
@@ -238,4 +241,106 @@ def test_worse_candidate_is_rejected_and_a_drop_after_promotion_rolls_back(tmp_p
     assert rows[2]["status"] == "rolled_back" and "monitor" in rows[2]["reason"]
     assert rows[2]["gate"]["monitor"]["decision"] == "worse"
     assert "agent@2" not in vllm.loras
+    gateway.stop()
+
+
+SAME_TASKS = """
+[loop]
+tick_s = 0.3
+[loop.gate]
+offline = false
+[loop.canary]
+fraction = 0.5
+pair_wait_s = inf  # same-context pairs only: a reward whose task never gets the other version never counts
+"""
+TASKS = {"reset my password": 0.0, "refund order 17": 0.2, "change my address": 0.45, "cancel my plan": 0.65}
+
+
+def test_a_better_candidate_is_shown_better_on_pairs_of_the_same_task(tmp_path: Path, vllm: VllmStandIn) -> None:
+    """Tasks differ more (0 to 0.65) than the versions do (+0.3 on every task): arrival-order pairs would
+    mostly measure which task came; pairs of the same task measure the version, and the test decides on them."""
+    gateway = start(tmp_path, vllm, SAME_TASKS)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
+    wait_for(lambda: status(gateway)["canary"], what="the gate to start the canary")
+    tasks = random.Random(11)
+    for n in range(200):  # bounded: it takes a few dozen pairs
+        task = tasks.choice(list(TASKS))
+        model, completion_id, _ = served_by(client, [{"role": "system", "content": "You are a support agent."},
+                                                    {"role": "user", "content": task}])
+        reward = TASKS[task] + (0.3 if model == "agent@1" else 0.0)
+        feedback = httpx.post(f"{gateway.url}/flywheel/v1/feedback", timeout=30,
+                              json={"completion_id": completion_id, "reward": reward})
+        assert feedback.status_code == 200, feedback.text
+        if n % 5 == 4 and status(gateway)["serving"]["version"] == 1:  # status every 5th: it is the slow call
+            break
+    wait_for(lambda: status(gateway)["serving"]["version"] == 1, what="the promotion")
+    version = admin(gateway, "GET", "/aliases/agent/versions")["data"][0]
+    online = version["gate"]["online"]
+    assert version["status"] == "promoted" and online["decision"] == "better" and online["p_better"] <= 0.05, online
+    assert online["pairs"] == online["same_context_pairs"] > 0 and online["arrival_pairs"] == 0, online
+    assert online["mean_difference"] == pytest.approx(0.3), online  # every pair: one task, both versions
+    assert version["reason"].startswith("canary: better than version 0"), version["reason"]
+    gateway.stop()
+
+
+def ticket_reward(block: str) -> float:
+    """The judge's score of an answer (``served by <model> on ticket <n>``): the ticket decides most of it (0 to
+    0.6), the version 0.3 more. The judge sees the request once, as shared context: the answer names it."""
+    answer = next(m.get("content") or "" for m in reversed(json.loads(block)) if m["role"] == "assistant")
+    return int(answer.split("ticket ")[1].split()[0]) % 4 * 0.2 + (0.3 if "agent@1" in answer else 0.0)
+
+
+def on_ticket(body: dict[str, Any]) -> Reply:
+    """The stand-in's answer names its model and the ticket it answers."""
+    ticket = body["messages"][-1]["content"].split("#")[1].split(":")[0]
+    return Reply(content=f"served by {body['model']} on ticket {ticket}")
+
+
+@pytest.fixture
+def ticket_judge() -> Iterator[ScriptedJudge]:
+    with ScriptedJudge(scorer=ticket_reward) as server:
+        yield server
+
+
+def test_unique_forked_traffic_pairs_each_fork_with_the_other_version(tmp_path: Path, vllm: VllmStandIn,
+                                                                      ticket_judge: ScriptedJudge) -> None:
+    """Every request is a new ticket, no feedback, 10% canary: one fork of each turn is answered by the other
+    version and judged with the client's answer, so every turn gives a pair of one context."""
+    gateway = start(tmp_path, vllm, ticket_judge.config_toml + """
+[groups]
+form_every_s = 0.5
+fork_fraction = 1.0
+fork_k = 1
+holdout_fraction = 0
+[loop]
+tick_s = 0.3
+score_every_s = 0.5
+[loop.gate]
+offline = false
+[loop.canary]
+fraction = 0.1
+pair_wait_s = inf
+""")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
+    wait_for(lambda: status(gateway)["canary"], what="the gate to start the canary")
+    vllm.reply = on_ticket
+    seen = []
+    for ticket in range(200):  # bounded: it takes a few dozen turns
+        reply = client.chat.completions.create(model="agent", messages=[
+            {"role": "user", "content": f"Ticket #{ticket}: my order has not arrived."}])
+        assert len(reply.choices) == 1  # the forks stay the gateway's
+        seen.append(reply.choices[0].message.content or "")
+        if ticket % 5 == 4 and status(gateway)["serving"]["version"] == 1:
+            break
+    wait_for(lambda: status(gateway)["serving"]["version"] == 1, what="the promotion", timeout_s=30)
+    version = admin(gateway, "GET", "/aliases/agent/versions")["data"][0]
+    online = version["gate"]["online"]
+    assert version["status"] == "promoted" and online["decision"] == "better", online
+    assert online["pairs"] == online["same_context_pairs"] > 0, online
+    assert online["mean_difference"] == pytest.approx(0.3), online  # each pair: one ticket, both versions
+    assert sum("agent@1" in text for text in seen) < len(seen) / 2  # the client mostly saw the serving version
+    answered = [model for event, model in vllm.events if event == "answer"]
+    assert answered.count("agent@1") >= online["pairs"]  # the candidate answered a fork of most turns
     gateway.stop()

@@ -250,6 +250,9 @@ class CanaryConfig(BaseModel):
     alpha: float = Field(default=0.05, gt=0, lt=1)  # bound on false promotions (and on false rejections)
     margin: float = Field(default=0.0, ge=0)  # > 0: promote when not worse than the serving version by this
     max_pairs: int = Field(default=2000, ge=1)  # stop here; the decision is on_max
+    # How long a reward waits for one of the other arm in its context; then, if its context was seen once, it is
+    # paired in arrival order (inf: same-context pairs only). docs/loop.md, "the canary's pairs".
+    pair_wait_s: float = Field(default=600.0, ge=0)
     on_max: Literal["reject", "promote"] = "reject"  # neither better nor worse was shown by max_pairs
     reward_min: float = 0.0  # rewards are clipped to [reward_min, reward_max] for the test (it needs bounds)
     reward_max: float = 1.0

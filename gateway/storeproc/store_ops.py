@@ -14,11 +14,12 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, func, or_
+from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
 from flywheel.capture.groups import GroupingRules, form_groups, held_out
@@ -341,6 +342,78 @@ def rewards(store: Store, settings: Settings, alias: str, since: str | None = No
                                          versions_in=versions_in,
                                          judge_only=settings.rewards.policy == "judge_only")
     return {"rewards": rows, "mixed": mixed}
+
+
+@op("canary_rewards")
+def canary_rewards(store: Store, settings: Settings, alias: str, since: str, versions_in: list[int]) -> dict[str, Any]:
+    """What the canary pairs (``abtest.pair_finished``): every reward of ``versions_in`` since ``since``, with its
+    context and the time it became known, oldest first."""
+    with store.session() as session:
+        rows = conversation_units(session, alias, _time(since), versions_in,
+                                  judge_only=settings.rewards.policy == "judge_only")
+        rows += fork_units(session, alias, _time(since), versions_in)
+    rows.sort(key=lambda r: (r["at"], r["context"] or "", r["order"]))
+    return {"rewards": [{**row, "at": _epoch(row["at"])} for row in rows]}
+
+
+def _epoch(moment: datetime) -> float:
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()  # the store writes UTC
+
+
+def conversation_units(session: Session, alias: str, since: datetime | None, versions_in: list[int], *,
+                       judge_only: bool) -> list[dict[str, Any]]:
+    """Closed conversations on one version, none of whose turns was forked (those count through their fork
+    groups: one reward, one pair), with the first reward recorded for each (a pair, once formed, never changes):
+    context = task key, at = when it was both closed and rewarded."""
+    forked = select(Turn.completion_id).where(Turn.source == "fork", col(Turn.created_at) >= since)
+    query = (sa_select(col(Trajectory.id), col(Trajectory.closed_at), col(Trajectory.task_key),
+                       func.min(Turn.adapter_version), func.max(Turn.adapter_version))
+             .join(Turn, col(Turn.trajectory_id) == col(Trajectory.id))
+             .where(col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
+                    col(Trajectory.close_reason) != "fork", col(Trajectory.created_at) >= since,
+                    col(Turn.source) != "fork",
+                    col(Trajectory.id).not_in(select(Turn.trajectory_id).where(col(Turn.completion_id).in_(forked))))
+             .group_by(col(Trajectory.id), col(Trajectory.closed_at), col(Trajectory.task_key)))
+    found = {tid: (closed_at, key, int(low)) for tid, closed_at, key, low, high in session.execute(query).all()
+             if low == high and low in versions_in}
+    first: dict[str, tuple[datetime, float]] = {}
+    ids = list(found)
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        rewards: list[tuple[str, datetime, float]] = [
+            (row.trajectory_id, row.created_at, row.value) for row in session.exec(
+                select(Score).where(col(Score.trajectory_id).in_(chunk), Score.source == "reward"))]
+        if not judge_only:
+            for feedback in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(chunk))):
+                with contextlib.suppress(InvalidFeedbackError):
+                    rewards.append((feedback.trajectory_id, feedback.created_at,
+                                    feedback_reward(feedback.reward, feedback.label)))
+        for trajectory_id, at, value in rewards:
+            if math.isfinite(value) and (trajectory_id not in first or at < first[trajectory_id][0]):
+                first[trajectory_id] = (at, value)
+    return [{"at": max(at, found[tid][0] or at), "version": found[tid][2], "context": found[tid][1],
+             "reward": value, "order": tid} for tid, (at, value) in first.items()]
+
+
+def fork_units(session: Session, alias: str, since: datetime | None, versions_in: list[int]) -> list[dict[str, Any]]:
+    """Every judged answer of a fork group (the client's and its siblings, one turn each): context = the group,
+    reward = the judge's own score, the same call for every member (not the final reward, where the client's
+    feedback may override the judge for the client's answer only), at = when it was judged."""
+    query = (sa_select(col(Group.key), col(Turn.choice_index), col(Turn.adapter_version), col(Score.created_at),
+                       col(Score.value))
+             .join(GroupMember, col(GroupMember.group_id) == col(Group.id))
+             .join(Turn, col(Turn.id) == col(GroupMember.leaf_turn_id))
+             .join(Score, and_(col(Score.group_id) == col(Group.id),
+                               col(Score.trajectory_id) == col(GroupMember.trajectory_id)))
+             .where(col(Group.alias) == alias, col(Group.source) == "fork", col(Turn.created_at) >= since,
+                    col(Score.source) == "ruler", col(Turn.adapter_version).in_(versions_in))
+             .order_by(col(Score.created_at)))
+    first: dict[tuple[str, int], dict[str, Any]] = {}
+    for key, choice, version, at, value in session.execute(query).all():
+        if (key, choice) not in first and math.isfinite(value):  # a group judged again keeps its first word
+            first[(key, choice)] = {"at": at, "version": int(version), "context": f"fork:{key}",
+                                    "reward": value, "order": f"{choice:04d}"}
+    return list(first.values())
 
 
 @op("reward_by_version")

@@ -37,7 +37,7 @@ from flywheel.gateway.core.config import LoopConfig
 from flywheel.gateway.serving.canary import CanarySplit
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop import gate as offline
-from flywheel.gateway.serving.loop.abtest import SequentialTest
+from flywheel.gateway.serving.loop.abtest import Finished, SequentialTest, pair_finished
 from flywheel.gateway.serving.loop.leader import Leadership, shared_store
 from flywheel.gateway.serving.loop.promotion import promote_version
 from flywheel.gateway.serving.loop.training_child import TrainingChild
@@ -56,6 +56,7 @@ logging.getLogger("apscheduler.scheduler").addFilter(_not_a_skipped_tick)
 
 ALIAS_JOBS = ("score", "train", "gate", "ab")
 GLOBAL_JOBS = ("close_idle", "form_groups")
+SETTLE_S = 2.0  # the canary pairs rewards this old and older: the store's writes have landed by then
 
 
 @dataclass
@@ -369,21 +370,26 @@ class Loop:
         link, config = self.state.store_link, self.settings.loop.canary
         split = self.state.router.canaries[alias]
         baseline, candidate = self.state.router.get(alias).version, split.served.version
-        rows = (await link.op("rewards", alias=alias, since=split.started_at,
+        rows = (await link.op("canary_rewards", alias=alias, since=split.started_at,
                               versions_in=[baseline, candidate]))["rewards"]
-        ours = [r["reward"] for r in rows if r["version"] == candidate]
-        theirs = [r["reward"] for r in rows if r["version"] == baseline]
+        finished = [Finished(at=r["at"], candidate=r["version"] == candidate, context=r["context"], reward=r["reward"])
+                    for r in rows]
+        ours = [r.reward for r in finished if r.candidate]
+        theirs = [r.reward for r in finished if not r.candidate]
         test = SequentialTest(alpha=config.alpha, margin=config.margin, max_pairs=config.max_pairs,
                               low=config.reward_min, high=config.reward_max)
-        decision = test.add_all(ours, theirs)
+        # Rewards written in the last seconds may still be joined by earlier ones (commit order): not looked at yet.
+        decision = test.add_pairs(pair_finished(finished, now=time.time() - SETTLE_S, wait_s=config.pair_wait_s))
         online = {**test.summary(), "started_at": split.started_at, "fraction": split.fraction,
                   "n_candidate": len(ours), "n_baseline": len(theirs), "baseline_version": baseline,
                   "mean_candidate": sum(ours) / len(ours) if ours else None,
                   "mean_baseline": sum(theirs) / len(theirs) if theirs else None}
-        counts = {"pairs": test.pairs, "candidate": len(ours), "baseline": len(theirs)}
+        same = test.kinds.get("context", 0)
+        counts = {"pairs": test.pairs, "same_context": same, "candidate": len(ours), "baseline": len(theirs)}
         if decision == "continue":
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
-            return Outcome("waiting", f"canary: {test.pairs} pairs, p(better)={test.better.p_value:.3f}", counts)
+            return Outcome("waiting", f"canary: {test.pairs} pairs ({same} on the same context), "
+                                      f"p(better)={test.better.p_value:.3f}", counts)
         if decision == "better" or (decision == "max_pairs" and config.on_max == "promote"):
             shown = (f"better than version {baseline} (p={test.better.p_value:.4f}" if decision == "better" else
                      f"not shown worse than version {baseline} by max_pairs (on_max = promote; "

@@ -27,8 +27,10 @@ from flywheel.gateway.core.errors import OpenAIError, UpstreamError
 from flywheel.gateway.core.http import read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body
 from flywheel.gateway.core.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from flywheel.gateway.serving import cross_fork
 from flywheel.gateway.serving.canary import CanarySplit
 from flywheel.gateway.serving.capture_plan import CapturePlan, flywheel_headers, plan_capture
+from flywheel.gateway.serving.cross_fork import CrossFork
 from flywheel.gateway.serving.engines.base import Body, Chunk
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.served_model import ServedModel
@@ -161,12 +163,18 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         to_engine = engine_request(body, served, endpoint)
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
                             served=served, requested_model=body["model"], client_key_id=key_id, started=started)
+        cross = None
         if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
             client_n = int(body.get("n") or 1)
             asks = replace(asks, choices=client_n)
             to_engine["n"] = client_n + plan.fork_k
+            if canary is not None:  # the last sibling from the other version: a same-context pair for the canary
+                to_engine["n"] -= 1
+                other = state.router.get(alias) if served is canary.served else canary.served
+                cross = CrossFork.start(to_engine, other, client_n + plan.fork_k - 1)
         if body.get("stream"):
-            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary, len(raw))
+            return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary, len(raw),
+                                 cross)
         served.in_flight += 1
         try:
             answer = served.engine.chat(to_engine) if endpoint is Endpoint.CHAT else served.engine.completion(to_engine)
@@ -187,7 +195,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
     if plan is None:
         return Response(content, media_type=_JSON_MEDIA)
-    return RecordedResponse(content, state.store_link, plan.exchange(body, result), len(raw))
+    return RecordedResponse(content, state.store_link, plan.exchange(body, result), len(raw), cross)
 
 
 class ClientLeft(Exception):
@@ -236,20 +244,22 @@ class RecordedResponse(Response):
 
     media_type = _JSON_MEDIA
 
-    def __init__(self, content: bytes, store_link: StoreLink, exchange: CapturedExchange, request_bytes: int) -> None:
+    def __init__(self, content: bytes, store_link: StoreLink, exchange: CapturedExchange, request_bytes: int,
+                 cross: CrossFork | None = None) -> None:
         super().__init__(content)
         self.store_link = store_link
         self.exchange = exchange
         self.request_bytes = request_bytes
+        self.cross = cross
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
-        self.store_link.submit(self.exchange, self.request_bytes)
+        cross_fork.submit(self.store_link, self.exchange, self.request_bytes, self.cross)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
                   asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None,
-                  canary: CanarySplit | None, request_bytes: int) -> Response:
+                  canary: CanarySplit | None, request_bytes: int, cross: CrossFork | None = None) -> Response:
     """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
     if endpoint is Endpoint.CHAT:
         chunks = served.engine.chat_stream(to_engine)
@@ -267,7 +277,7 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     on_candidate = canary is not None and served is canary.served
-    stream_end = (StreamEnd(endpoint, body, request_bytes, plan, canary, on_candidate)
+    stream_end = (StreamEnd(endpoint, body, request_bytes, plan, canary, on_candidate, cross)
                   if plan is not None or canary is not None else None)
     return EventStream(_sse_events(state, served, endpoint, first, chunks, asks, body, started, stream_end))
 
@@ -300,6 +310,7 @@ class StreamEnd:
     plan: CapturePlan | None
     canary: CanarySplit | None
     on_candidate: bool
+    cross: CrossFork | None = None  # a canary's fork answered by the other version, joined when it is in
     assembler: StreamAssembler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -315,7 +326,7 @@ class StreamEnd:
         elif self.canary is not None:
             remember_answers(self.canary, response, self.on_candidate)
         if self.plan is not None:
-            store_link.submit(self.plan.exchange(self.body, response), self.request_bytes)
+            cross_fork.submit(store_link, self.plan.exchange(self.body, response), self.request_bytes, self.cross)
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
