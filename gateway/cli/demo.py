@@ -82,6 +82,10 @@ class Board:
     def promoted(self, enough: int) -> bool:
         return enough > 0 and sum(1 for row in self.versions if row.get("promoted_at")) >= enough
 
+    def decided_by_canary(self, enough: int) -> bool:
+        decided = sum(1 for row in self.versions if (row.get("reason") or "").startswith("canary:"))
+        return enough > 0 and decided >= enough
+
     def note_versions(self, rows: list[dict[str, Any]]) -> None:
         """Turn status changes of versions into lines for the event log."""
         for row in rows:
@@ -110,10 +114,12 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
                                  ] = None,
          promotions: Annotated[int, typer.Option(
              help="Stop once this many versions were promoted (0: run the whole time).")] = 0,
+         decisions: Annotated[int, typer.Option(
+             help="Stop once the canary's test decided this many versions (0: run the whole time).")] = 0,
          ) -> None:
     """Watch an unmodified agent improve: warm start (tiny model), gateway + loop, agent, live progress, plot.
 
-    Example: flywheel demo --minutes 10   (CI runs: --minutes 8 --min-groups 4 --canary-pairs 20 --promotions 1)
+    Example: flywheel demo --minutes 10   (CI runs: --minutes 8 --min-groups 4 --canary-pairs 20 --decisions 1)
     """
     data_dir = data_dir.resolve()
     console = Console(stderr=True, highlight=False)
@@ -145,7 +151,8 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
         reader.start()
         deadline = time.monotonic() + minutes * 60
         with Live(_render(board), console=console, refresh_per_second=2) as live:
-            while agent.poll() is None and time.monotonic() < deadline and not board.promoted(promotions):
+            while agent.poll() is None and time.monotonic() < deadline and not board.promoted(promotions) \
+                    and not board.decided_by_canary(decisions):
                 _poll(url, board)
                 live.update(_render(board))
                 time.sleep(1.0)
