@@ -724,6 +724,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     # 2. derived sizes (cleanrl: "to be filled in runtime")
     cuda = torch.cuda.is_available()
     bf16 = args.precision == "bf16" or (args.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8  # Ampere and later: float32 matmuls on tensor cores
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     g = plan.group_size
     per_device = args.per_device_train_batch_size or g
@@ -731,6 +732,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     accumulation = min(args.gradient_accumulation_steps, max(1, micro_batches))
     derived = {"group_size": g, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
                "world_size": world_size, "device": "cuda" if cuda else "cpu", "dtype": "bf16" if bf16 else "fp32",
+               "tf32": tf32,
                "groups_per_step": per_device * accumulation * world_size // g if g else 0}
     config: dict[str, Any] = {"args": _jsonable(asdict(args)), "derived": derived, "base_model": base,
                               "init_adapter": str(init_adapter) if init_adapter else None}
@@ -765,7 +767,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     with tempfile.TemporaryDirectory(prefix="flywheel-grpo-") as scratch:
         trl_config = GRPOConfig(
             output_dir=scratch, report_to="none", save_strategy="no", logging_steps=args.logging_steps,
-            disable_tqdm=not args.progress, seed=args.seed, bf16=bf16, use_cpu=not cuda,
+            disable_tqdm=not args.progress, seed=args.seed, bf16=bf16, tf32=tf32 or None, use_cpu=not cuda,
             learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
@@ -833,7 +835,7 @@ _TRL_KEYS = {"learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay
              "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
              "generation_batch_size", "num_generations", "max_completion_length", "temperature", "loss_type",
              "importance_sampling_level", "epsilon", "epsilon_high", "beta", "num_iterations", "scale_rewards",
-             "mask_truncated_completions", "bf16", "use_cpu", "seed", "gradient_checkpointing", "optim"}
+             "mask_truncated_completions", "bf16", "tf32", "use_cpu", "seed", "gradient_checkpointing", "optim"}
 
 
 def _versions() -> dict[str, str]:
