@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from flywheel.capture.store import Store
 
 ConfigOption = Annotated[list[Path] | None, typer.Option(
-    "--config", "-c", help="TOML configuration file; repeat it to layer files (later ones win, key by key).")]
+    "--config", "-c", metavar="<path>",
+    help="TOML configuration file; repeat it to layer files (later ones win, key by key).")]
 GatewayOption = Annotated[str | None, typer.Option(
     "--gateway", help="Admin API of a running gateway, e.g. http://127.0.0.1:8000 (default: the config's "
                       "host and port, when it answers).")]
