@@ -93,9 +93,9 @@ def shown_worse(row: AdapterVersion) -> bool:
 def training_head(session: Session, alias: str) -> AdapterVersion | None:
     """The version the next round continues from (None: the base model).
 
-    Training keeps its own line: the newest trained version above the serving one whose every
-    ancestor back to the serving version was decided and never shown worse; else the serving
-    version. A candidate the canary could not yet tell apart is a step on that line, not a dead end:
+    Training keeps its own line: the newest trained version above the serving one which, like every
+    ancestor back to the serving version, was never shown worse (one on canary counts); else the
+    serving version. A candidate the canary could not yet tell apart is a step on that line, not a dead end:
     a round's update is smaller than the test can see, the sum of several is not. What serves is
     still only what a gate promoted.
     """
