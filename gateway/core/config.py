@@ -237,6 +237,7 @@ class GateConfig(BaseModel):
     min_contexts: int = Field(default=8, ge=1)  # fewer held out so far: the candidate waits for more traffic
     holdout_fraction: float = Field(default=0.1, ge=0, le=0.5)  # of ungrouped trajectories; never trained on
     win_rate: float = Field(default=0.5, ge=0, le=1)  # pass when (wins + ties / 2) / M reaches this
+    fail_alpha: float = Field(default=0.05, gt=0, le=1)  # under win_rate: failed at sign-test p <= this
     reward_hook: str | None = None  # "module:function" or an http(s) URL; unset: RULER with the [judge] model
     max_tokens: int = Field(default=256, ge=1)  # per answer
     temperature: float = Field(default=0.0, ge=0, le=2)  # 0: greedy, the versions' most likely answers

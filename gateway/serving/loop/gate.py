@@ -6,8 +6,10 @@ every group: ``[loop.gate] holdout_fraction``) are answered by both versions thr
 reward hook — a Python entry point ``module:function`` or an HTTP endpoint, called with the
 context and one answer, returning a number (the way a task with a checkable outcome plugs in) —
 or, without a hook, by RULER comparing the two answers. The candidate wins a context when its
-score is higher, ties count half; it passes when its win rate reaches ``win_rate``. When every
-context ties the gate learned nothing about the candidate: ``inconclusive``, and the canary decides.
+score is higher, ties count half; it passes when its win rate reaches ``win_rate``. It fails only
+when its losses outnumber its wins beyond chance (a one-sided sign test over the contexts that did
+not tie, at ``fail_alpha``); otherwise, and when every context ties, the gate learned too little
+about the candidate: ``inconclusive``, and the canary decides.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import math
 import statistics
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -95,11 +98,19 @@ async def answer(model: ServedModel, context: dict[str, Any], config: GateConfig
     return message
 
 
-def gate_decision(wins: int, ties: int, contexts: int, threshold: float) -> str:
-    """``passed``, ``failed``, or ``inconclusive`` when every context tied (0.5 would pass by ties alone)."""
+def loss_p_value(wins: int, losses: int) -> float:
+    """Sign test: the chance of at least ``losses`` losses among the untied contexts if neither version is better."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(losses, n + 1)) / 2 ** n
+
+
+def gate_decision(wins: int, ties: int, contexts: int, threshold: float, fail_alpha: float) -> str:
+    """``passed`` at the win rate; ``failed`` on significant losses; else ``inconclusive`` (all ties included)."""
     if ties == contexts:
-        return "inconclusive"
-    return "passed" if (wins + ties / 2) / contexts >= threshold else "failed"
+        return "inconclusive"  # 0.5 by ties alone: nothing learned
+    if (wins + ties / 2) / contexts >= threshold:
+        return "passed"
+    return "failed" if loss_p_value(wins, contexts - wins - ties) <= fail_alpha else "inconclusive"
 
 
 async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[dict[str, Any]],
@@ -115,10 +126,12 @@ async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: 
     scores = await asyncio.gather(*(one(c) for c in contexts))
     wins = sum(1 for a, b in scores if a > b)
     ties = sum(1 for a, b in scores if a == b)
+    losses = len(scores) - wins - ties
     win_rate = (wins + ties / 2) / len(scores)
-    decision = gate_decision(wins, ties, len(scores), config.win_rate)
-    return {"contexts": len(scores), "wins": wins, "ties": ties, "losses": len(scores) - wins - ties,
+    decision = gate_decision(wins, ties, len(scores), config.win_rate, config.fail_alpha)
+    return {"contexts": len(scores), "wins": wins, "ties": ties, "losses": losses,
             "win_rate": win_rate, "threshold": config.win_rate,
+            "loss_p_value": loss_p_value(wins, losses), "fail_alpha": config.fail_alpha,
             "decision": decision, "passed": decision == "passed",
             "candidate_mean": statistics.fmean(a for a, _ in scores),
             "baseline_mean": statistics.fmean(b for _, b in scores),

@@ -73,12 +73,17 @@ def offline_verdict(offline: dict[str, Any] | None, *, canary: bool) -> tuple[bo
     if offline is None:
         return False, ""
     decision = offline.get("decision") or ("passed" if offline["passed"] else "failed")  # rows before "decision"
+    losses = f" ({offline['losses']} losses vs {offline['wins']} wins: p={offline['loss_p_value']:.3f})" \
+        if "loss_p_value" in offline else ""
     if decision == "failed":
-        return True, f"offline gate: win rate {offline['win_rate']:.2f} < {offline['threshold']:.2f}"
+        return True, f"offline gate: win rate {offline['win_rate']:.2f} < {offline['threshold']:.2f}{losses}"
     if decision != "inconclusive":
         return False, ""
-    tied = f"offline gate inconclusive: all {offline['contexts']} contexts tie"
-    return (False, f"{tied}, the canary decides") if canary else (True, f"{tied} and no canary to decide")
+    if offline["ties"] == offline["contexts"]:
+        unsure = f"offline gate inconclusive: all {offline['contexts']} contexts tie"
+    else:
+        unsure = f"offline gate inconclusive: win rate {offline['win_rate']:.2f}, losses not significant{losses}"
+    return (False, f"{unsure}, the canary decides") if canary else (True, f"{unsure} and no canary to decide")
 
 
 def _now() -> str:
