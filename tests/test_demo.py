@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flywheel.gateway.cli.demo import REPO
+from flywheel.gateway.cli.demo import CANARY_ENDS, REPO, canary_decision
 
 
 def test_the_demo_trains_and_its_canary_decides_on_its_own(tmp_path: Path) -> None:
@@ -21,12 +21,12 @@ def test_the_demo_trains_and_its_canary_decides_on_its_own(tmp_path: Path) -> No
     assert summary["agent_errors"] == 0
     served = summary["reward_by_version"]["versions"]
     assert served["0"]["n"] > 0 and summary["episodes"] >= served["0"]["n"]
-    decided = [v for v in summary["versions"] if (v.get("reason") or "").startswith("canary:")]
+    decided = [v for v in summary["versions"] if canary_decision(v) in CANARY_ENDS]
     assert decided, (summary["versions"], shown.stderr[-3000:])
     version = decided[0]
     assert version["source"] == "trained" and version["status"] in ("promoted", "rejected"), version
     online = version["gate"]["online"]
-    assert online["pairs"] >= 1 and online["decision"] in ("better", "worse", "max_pairs"), online
+    assert online["pairs"] >= 1, online
     # on_max = "reject" (the small-model configuration): only the test's own "better" promotes
     assert (version["status"] == "promoted") == (online["decision"] == "better"), version
     assert (tmp_path / "demo" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -244,6 +244,34 @@ def test_worse_candidate_is_rejected_and_a_drop_after_promotion_rolls_back(tmp_p
     gateway.stop()
 
 
+HAND_OVER = CANARY.replace("alpha = 0.05\npair_wait_s", "alpha = 0.05\nmax_pairs = 1000\nhand_over_pairs = 6\n"
+                                                         "pair_wait_s")
+
+
+def test_an_undecided_canary_hands_over_to_the_newer_candidate_waiting(tmp_path: Path, vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm, HAND_OVER)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "same")})
+    wait_for(lambda: (status(gateway)["canary"] or {}).get("version") == 1, what="version 1's canary")
+    # one candidate may wait while a canary runs, not two
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "newer")})
+    refused = httpx.post(f"{gateway.url}/flywheel/v1/aliases/agent/candidates", headers=ADMIN, timeout=30,
+                         json={"path": fake_adapter(tmp_path, "third")})
+    assert refused.status_code == 409 and "version 2 in flight (candidate)" in refused.text, refused.text
+    for _ in range(100):  # version 1 earns what version 0 does: no test can decide it
+        converse(client, gateway, 1, lambda m: 0.5)
+        if (status(gateway)["canary"] or {}).get("version") == 2:
+            break
+    rows = wait_for(lambda: {r["version"]: r for r in admin(gateway, "GET", "/aliases/agent/versions")["data"]
+                             if r["status"] == "rejected"}, what="the hand-over")
+    online = rows[1]["gate"]["online"]
+    assert online["decision"] == "handed_over" and 6 <= online["pairs"] < 1000, online
+    assert rows[1]["reason"].startswith("canary: handed over to version 2 undecided after"), rows[1]["reason"]
+    wait_for(lambda: (status(gateway)["canary"] or {}).get("version") == 2, what="version 2's canary")
+    assert status(gateway)["serving"]["version"] == 0
+    gateway.stop()
+
+
 SAME_TASKS = """
 [loop]
 tick_s = 0.3

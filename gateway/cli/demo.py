@@ -59,6 +59,15 @@ GROUP_SIZE = 4  # attempts per request: the agent repeats each request this many
 WARM_START_STEPS = 80
 
 
+CANARY_ENDS = ("better", "worse", "max_pairs")  # how a canary's own test ends (not a hand-over)
+
+
+def canary_decision(version: dict[str, Any]) -> str | None:
+    """How the canary of a version (a ``versions`` row) ended or stands, None without one."""
+    decision = ((version.get("gate") or {}).get("online") or {}).get("decision")
+    return str(decision) if decision is not None else None
+
+
 @dataclass
 class Episode:
     index: int
@@ -83,7 +92,7 @@ class Board:
         return enough > 0 and sum(1 for row in self.versions if row.get("promoted_at")) >= enough
 
     def decided_by_canary(self, enough: int) -> bool:
-        decided = sum(1 for row in self.versions if (row.get("reason") or "").startswith("canary:"))
+        decided = sum(1 for row in self.versions if canary_decision(row) in CANARY_ENDS)
         return enough > 0 and decided >= enough
 
     def note_versions(self, rows: list[dict[str, Any]]) -> None:

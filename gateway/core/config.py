@@ -255,6 +255,8 @@ class CanaryConfig(BaseModel):
     # paired in arrival order (inf: same-context pairs only). docs/loop.md, "the canary's pairs".
     pair_wait_s: float = Field(default=600.0, ge=0)
     on_max: Literal["reject", "promote"] = "reject"  # neither better nor worse was shown by max_pairs
+    # Undecided after this many pairs while a newer candidate waits: that one takes the canary (None: never).
+    hand_over_pairs: int | None = Field(default=None, ge=1)
     reward_min: float = 0.0  # rewards are clipped to [reward_min, reward_max] for the test (it needs bounds)
     reward_max: float = 1.0
 

@@ -174,16 +174,16 @@ def list_versions(store: Store, settings: Settings, alias: str) -> list[dict[str
 
 @op("serving")
 def serving(store: Store, settings: Settings) -> dict[str, Any]:
-    """Per alias: the version serving it, the oldest in flight (training, candidate or canary) and the one
-    training now, each or None. A round may train while an older version is on canary (docs/loop.md)."""
+    """Per alias: the version serving it, the oldest in flight (training, candidate or canary), the one
+    training now and the newest waiting for its gate, each or None. A round may train while an older
+    version is on canary (docs/loop.md)."""
     out: dict[str, Any] = {}
     with store.session() as session:
         for alias in settings.aliases:
-            current, flight = versions.serving(session, alias), versions.in_flight(session, alias)
-            busy = versions.training(session, alias)
-            out[alias] = {"serving": versions.to_json(current) if current else None,
-                          "in_flight": versions.to_json(flight) if flight else None,
-                          "training": versions.to_json(busy) if busy else None}
+            rows = {"serving": versions.serving(session, alias), "in_flight": versions.in_flight(session, alias),
+                    "training": versions.training(session, alias),
+                    "waiting": versions.newest_candidate(session, alias)}
+            out[alias] = {key: versions.to_json(row) if row else None for key, row in rows.items()}
     return out
 
 

@@ -119,6 +119,13 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
     return rows[newest] if newest is not None else current
 
 
+def newest_candidate(session: Session, alias: str) -> AdapterVersion | None:
+    """The newest version waiting for its gate, if any (while an older one is on canary)."""
+    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                     AdapterVersion.status == "candidate")
+                        .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
+
+
 def training(session: Session, alias: str) -> AdapterVersion | None:
     """The version a round is training now, if any (one round at a time)."""
     return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,

@@ -392,6 +392,15 @@ class Loop:
         same = test.kinds.get("context", 0)
         counts = {"pairs": test.pairs, "same_context": same, "candidate": len(ours), "baseline": len(theirs)}
         if decision == "continue":
+            newer = await self._newer_candidate(alias, test.pairs)
+            if newer is not None:
+                online["decision"] = "handed_over"
+                reason = (f"canary: handed over to version {newer} undecided after {test.pairs} pairs "
+                          f"(p(better)={test.better.p_value:.3f}, p(worse)={test.worse.p_value:.3f})")
+                await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
+                              reason=reason)
+                await self.state.router.stop_canary(alias)
+                return Outcome("ok", f"version {candidate} {reason[len('canary: '):]}", counts)
             await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
             return Outcome("waiting", f"canary: {test.pairs} pairs ({same} on the same context), "
                                       f"p(better)={test.better.p_value:.3f}", counts)
@@ -409,6 +418,14 @@ class Loop:
                       reason=f"canary: {shown}, {test.pairs} pairs)")
         await self.state.router.stop_canary(alias)
         return Outcome("ok", f"version {candidate} rejected by the canary", counts)
+
+    async def _newer_candidate(self, alias: str, pairs: int) -> int | None:
+        """A newer candidate the undecided canary hands over to (``hand_over_pairs``), if one waits."""
+        after = self.settings.loop.canary.hand_over_pairs
+        if after is None or pairs < after:
+            return None
+        waiting = (await self.state.store_link.op("serving"))[alias]["waiting"]
+        return int(waiting["version"]) if waiting is not None else None
 
     async def _monitor(self, alias: str) -> Outcome:
         """After a promotion: the new version's live rewards against its predecessor's recorded ones."""

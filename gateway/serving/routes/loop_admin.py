@@ -173,9 +173,10 @@ async def add_candidate(alias: str, request: Request) -> Response:
     body = await _body(request, CandidateRequest, state)
     state.router.get(alias)
     path = adapter_directory(state, body["path"])
-    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
-    if flight is not None:
-        raise Conflict(f"{alias} already has version {flight['version']} in flight ({flight['status']})")
+    rows = (await state.store_link.op("serving"))[alias]
+    busy = rows["training"] or rows["waiting"]
+    if busy is not None:  # like the loop's rounds: one may wait while a canary runs, not two
+        raise Conflict(f"{alias} already has version {busy['version']} in flight ({busy['status']})")
     return json_response(await register_adapter(state, alias, path, source="manual"))
 
 
