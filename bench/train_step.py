@@ -86,6 +86,8 @@ class Args:
     """both (parent: runs the children and compares) | captured | budget | generate (one child)"""
     json_out: str = ""
     """also write the results here as JSON"""
+    compare: str = ""
+    """modes the parent runs, comma-separated (empty: captured, budget when set, generate)"""
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -275,7 +277,8 @@ def main() -> None:
             args.model = str(build_tiny_model(Path(tmp) / "tiny", seed=args.seed))
         elif not args.model:
             args.model = str(build_shaped_model(Path(tmp) / args.shape, args.shape, args.seed))
-        modes = ["captured", *(["budget"] if args.max_tokens_per_micro_batch > 0 else []), "generate"]
+        modes = args.compare.split(",") if args.compare else \
+            ["captured", *(["budget"] if args.max_tokens_per_micro_batch > 0 else []), "generate"]
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         params = parameter_count(args.model)
         for _ in range(args.repeats):
@@ -292,11 +295,11 @@ def main() -> None:
         for mode in modes}
     for r in medians.values():
         r["mfu"] = 6 * params * r["tokens_per_s"] / (args.peak_tflops * 1e12) if args.peak_tflops > 0 else None
-    pairs = list(zip(runs["captured"], runs["generate"], strict=True))
-    summary = {"args": asdict(args), "parameters": params, **medians, "runs": runs,
-               # ratios of runs made back to back (same machine load), then their median
-               "tokens_per_s_ratio": statistics.median(c["tokens_per_s"] / g["tokens_per_s"] for c, g in pairs),
-               "step_time_ratio": statistics.median(g["median_step_s"] / c["median_step_s"] for c, g in pairs)}
+    summary: dict[str, Any] = {"args": asdict(args), "parameters": params, **medians, "runs": runs}
+    if "generate" in runs:  # ratios of runs made back to back (same machine load), then their median
+        pairs = list(zip(runs["captured"], runs["generate"], strict=True))
+        summary["tokens_per_s_ratio"] = statistics.median(c["tokens_per_s"] / g["tokens_per_s"] for c, g in pairs)
+        summary["step_time_ratio"] = statistics.median(g["median_step_s"] / c["median_step_s"] for c, g in pairs)
     if "budget" in runs:
         summary["budget_tokens_per_s_ratio"] = statistics.median(
             b["tokens_per_s"] / c["tokens_per_s"] for c, b in zip(runs["captured"], runs["budget"], strict=True))
@@ -310,8 +313,10 @@ def main() -> None:
         padding = f"{r['padding_frac']:.1%}" if math.isfinite(r["padding_frac"]) else "-"
         print(f"{r['mode']:<10}{r['tokens_per_s']:>12.0f}{padding:>9}{mfu:>8}{r['median_step_s']:>15.3f}"
               f"{r['train_seconds']:>10.2f}{r['round_seconds']:>10.2f}{peak:>15.0f}")
-    print(f"medians of {args.repeats} runs each; captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x, "
-          f"step time generate / captured: {summary['step_time_ratio']:.2f}x (medians of back-to-back pairs)")
+    print(f"medians of {args.repeats} runs each")
+    if "generate" in runs:
+        print(f"captured / generate tokens/s: {summary['tokens_per_s_ratio']:.2f}x, step time generate / captured: "
+              f"{summary['step_time_ratio']:.2f}x (medians of back-to-back pairs)")
     if "budget" in runs:
         print(f"budget / captured tokens/s: {summary['budget_tokens_per_s_ratio']:.2f}x (back-to-back pairs)")
     if args.json_out:
