@@ -40,7 +40,7 @@ import httpx
 from rich.console import Console
 
 from bench.learning_tasks import TASKS
-from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG, final_comparison, plot_rewards
+from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG, canary_decision, final_comparison, plot_rewards
 from flywheel.gateway.core.processes import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,11 +180,24 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
         "minutes_to_first_test_promotion": first_test_promotion(versions, started_at),
         "decisions": [{"version": v["version"], "status": v["status"], "reason": v.get("reason")} for v in versions
                       if v["version"] > 0],
+        "canary_ends": canary_ends(versions),
         "agent_reward_first_100": mean([e.get("reward", 0.0) for e in run.episodes[:100]]),
         "agent_reward_last_100": mean([e.get("reward", 0.0) for e in run.episodes[-100:]]),
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def canary_ends(versions: list[dict[str, Any]]) -> dict[str, Any]:
+    """How each finished canary ended, and the share its own test decided (better or worse)."""
+    ends: dict[str, int] = {}
+    for version in versions:
+        decision = canary_decision(version)
+        if decision is not None and version["status"] != "canary":
+            ends[decision] = ends.get(decision, 0) + 1
+    finished = sum(ends.values())
+    by_test = ends.get("better", 0) + ends.get("worse", 0)
+    return {**ends, "finished": finished, "decided_by_test": by_test / finished if finished else None}
 
 
 def mean(values: list[float]) -> float | None:
@@ -197,7 +210,8 @@ def report_line(result: dict[str, Any]) -> str:
     return (f"{result['task']:>11} {result['shape']:>8}: {result['episodes']:5d} episodes, warm start "
             f"{result['warm_start_reward'] or 0:.3f} -> version {result['serving_version']} "
             f"{result['serving_reward'] or 0:.3f}; p(better, sequential) {sequential.get('p_better', 1):.3g}; "
-            f"first test-decided promotion at {result['minutes_to_first_test_promotion']} min; decisions "
+            f"first test-decided promotion at {result['minutes_to_first_test_promotion']} min; canaries "
+            f"{result['canary_ends']}; decisions "
             + ", ".join(f"v{d['version']} {d['status']}" for d in result["decisions"]))
 
 
