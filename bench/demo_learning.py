@@ -335,7 +335,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from flywheel.trainer import adapters
-    from flywheel.trainer.grpo import GRPOArgs, train_round
+    from flywheel.trainer.grpo import train_round
+    from flywheel.trainer.grpo_args import GRPOArgs
     from flywheel.trainer.tiny_model import ensure_tiny_model
     from flywheel.trainer.warm_start import warm_start
 

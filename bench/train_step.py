@@ -138,7 +138,7 @@ def parameter_count(model: str) -> int:
 
 
 def grpo_args(args: Args, **extra: Any) -> Any:
-    from flywheel.trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo_args import GRPOArgs
 
     return GRPOArgs.tiny(max_steps=args.steps, num_generations=args.group_size,
                          gradient_accumulation_steps=args.gradient_accumulation_steps,

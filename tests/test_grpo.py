@@ -19,7 +19,9 @@ import pytest
 
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
 from flywheel.trainer import adapters
-from flywheel.trainer.grpo import CapturedRollout, GRPOArgs, RoundResult, plan_groups, train_round
+from flywheel.trainer.grpo import train_round
+from flywheel.trainer.grpo_args import GRPOArgs, RoundResult
+from flywheel.trainer.sample_plan import CapturedRollout, plan_groups
 from flywheel.trainer.samples import Sample, SampleBatch
 from tests.conftest import WEATHER_TOOL, weather_followup
 from tests.test_samples import CALL_TEXT, TOOL_CALL_MESSAGE, group_of, prompt_ids, single_turn

@@ -1,17 +1,21 @@
-"""trainer/grpo_loss.py equals TRL's GRPOTrainer._compute_loss: the loss, its gradients and its diagnostics.
+"""The loss that trains (``CapturedGRPOTrainer.compute_loss``: trainer/grpo_loss.py) equals TRL's reference.
 
-For every loss type and importance sampling level we expose, a real TRL GRPOTrainer on the tiny
-model (LoRA, temperature 0.7, asymmetric clipping, a KL term) computes its loss on one fixed
-batch; the reference recomputes it from the policy logprobs of TRL's forward (checked equal to its own
-logits / temperature, log-softmax), and both are differentiated with respect to the LoRA weights.
-The comparison runs in float64: in float32 the backward's round-off alone (each side's gradient
-against float64's) exceeds the tolerance on LoRA gradient entries that nearly cancel.
+For every loss type and importance sampling level we expose, our trainer on the tiny model (LoRA,
+temperature 0.7, asymmetric clipping, a KL term, two micro-batches per step out of a generation
+batch of four) computes the loss of one fixed batch, and so does TRL's own
+``GRPOTrainer._compute_loss`` on the same trainer: the two are compared in value, in their
+gradients with respect to the LoRA weights, and in their diagnostics (``clip_ratio/*``, ``kl``,
+``entropy``). The policy logprobs of the forward both use are checked against the model's own
+logits / temperature, log-softmax. The comparison runs in float64: in float32 the backward's
+round-off alone (each side's gradient against float64's) exceeds the tolerance on LoRA gradient
+entries that nearly cancel.
 
 The trainer runs on the GPU when there is one. TRL's fused LM head keeps its log-softmax
 statistics and its logits gradient in float32 whatever the model's dtype, on CUDA in Triton
-kernels whose reduction order differs from the CPU's torch tiles: there the gradients are
-compared to 1e-4 relative plus 1e-5 of the tensor's largest entry (``TOLERANCES``; the CPU's
-absolute 1e-7 failed on a ``lora_A`` entry that nearly cancels, on an H100).
+kernels whose reduction order differs from the CPU's torch tiles (and each side makes its own
+forward): there the gradients are compared to 1e-4 relative plus 1e-5 of the tensor's largest
+entry (``TOLERANCES``; the CPU's absolute 1e-7 failed on a ``lora_A`` entry that nearly cancels,
+on an H100).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any, cast
 
 import pytest
 
-from flywheel.trainer.grpo_loss import LOSS_TYPES, grpo_loss
+from flywheel.trainer.grpo_loss import LOSS_TYPES
 from flywheel.trainer.samples import group_advantages
+from flywheel.trainer.trl_adapter import captured_trainer_class
 
 TEMPERATURE = 0.7
 MAX_COMPLETION_LENGTH = 8
@@ -38,6 +43,7 @@ TOLERANCES = {"cpu": {"logps": (1.3e-6, 1e-5), "loss": (1e-5, 1e-7), "grad": (1e
 
 CASES = [(loss_type, level, 0.04) for loss_type in LOSS_TYPES for level in ("token", "sequence")]
 CASES += [("dapo", "token", 0.0), ("grpo", "sequence", 0.0)]
+MICRO_BATCHES, STEPS_PER_GENERATION = 2, 4  # a step of two micro-batches; the generation batch spans four
 
 
 def make_trainer(tiny_model: Path, loss_type: str, level: str, beta: float) -> Any:
@@ -45,7 +51,7 @@ def make_trainer(tiny_model: Path, loss_type: str, level: str, beta: float) -> A
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     torch.manual_seed(0)
     # float64: the gradients are compared entry by entry at rtol=1e-4, atol=1e-7; in float32 the backward's
@@ -55,18 +61,20 @@ def make_trainer(tiny_model: Path, loss_type: str, level: str, beta: float) -> A
         output_dir=str(tiny_model.parent / "grpo-loss-scratch"), report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=False,
         disable_tqdm=True,
-        per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
+        per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=MICRO_BATCHES,
+        steps_per_generation=STEPS_PER_GENERATION,
         max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE, loss_type=loss_type,
         importance_sampling_level=level, beta=beta, epsilon=EPSILON_LOW,
         epsilon_high=CISPO_EPSILON_MAX if loss_type == "cispo" else EPSILON_HIGH)
     # init_lora_weights=False: random A and B, so the adapter changes the logprobs and every LoRA weight gets a gradient
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
                       init_lora_weights=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                          args=config, train_dataset=Dataset.from_list([{"prompt": "x"}] * 8),
-                          processing_class=AutoTokenizer.from_pretrained(tiny_model), peft_config=lora)
+    trainer = captured_trainer_class()(
+        model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=config,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * 16),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model), peft_config=lora)
     cast(Any, trainer.model).train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop: one micro-batch per step here
+    trainer.current_gradient_accumulation_steps = MICRO_BATCHES  # set by the training loop
     return trainer
 
 
@@ -105,50 +113,33 @@ def lora_grads(model: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("loss_type", "level", "beta"), CASES, ids=[f"{t}-{lv}-beta{b}" for t, lv, b in CASES])
-def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_model: Path, loss_type: str,
-                                                                         level: str, beta: float) -> None:
+def test_the_loss_that_trains_equals_trl_in_value_gradient_and_diagnostics(tiny_model: Path, loss_type: str,
+                                                                           level: str, beta: float) -> None:
     import torch
+    from trl import GRPOTrainer
 
     trainer = make_trainer(tiny_model, loss_type, level, beta)
     model = trainer.model
     device = trainer.accelerator.device
     tolerance = TOLERANCES[device.type]
     batch = {k: v.to(device) for k, v in fixed_batch().items()}
-    b_mask = batch["completion_mask"] * batch["tool_mask"]  # (B, T)
     with torch.no_grad():
         b_logps = policy_logps(model, batch)
     # The sampler and the reference differ from the policy by ~0.3 nats per token: ratios on both sides of the clip.
-    b_old_logps = b_logps + 0.3 * batch["noise"][0]  # (B, T)
-    b_ref_logps = b_logps + 0.3 * batch["noise"][1]  # (B, T)
     inputs = {k: v for k, v in batch.items() if k != "noise"}
-    inputs["old_per_token_logps"] = b_old_logps
+    inputs["old_per_token_logps"] = b_logps + 0.3 * batch["noise"][0]  # (B, T)
     if beta:
-        inputs["ref_per_token_logps"] = b_ref_logps
+        inputs["ref_per_token_logps"] = b_logps + 0.3 * batch["noise"][1]  # (B, T)
 
-    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss = GRPOTrainer._compute_loss(trainer, model, inputs)  # TRL's reference: no longer what trains
     trl_loss.backward()
     trl_grads = lora_grads(model)
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    # The policy logprobs of TRL's own forward (its fused LM head keeps its softmax in float32), checked against
-    # ours: the two losses are then differentiated through the same forward, so the gradients compare the losses
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    trl_logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
-                                                                  MAX_COMPLETION_LENGTH)
-    sampled = batch["completion_mask"].bool()  # TRL's logprobs are 0 on padding
-    with torch.no_grad():
-        rtol, atol = tolerance["logps"]
-        torch.testing.assert_close(trl_logps[sampled], policy_logps(model, batch)[sampled].float(), rtol=rtol,
-                                   atol=atol)
-    loss, stats = grpo_loss(
-        trl_logps, b_old_logps, batch["advantages"], b_mask, loss_type=loss_type,
-        importance_sampling_level=level, epsilon_low=EPSILON_LOW,
-        epsilon_high=CISPO_EPSILON_MAX if loss_type == "cispo" else EPSILON_HIGH, beta=beta,
-        b_ref_logps=b_ref_logps if beta else None, max_completion_length=MAX_COMPLETION_LENGTH,
-        num_items_in_batch=batch["num_items_in_batch"])
+    loss = trainer.compute_loss(model, inputs)  # the loss that trains: grpo_loss on one forward of the policy
     loss.backward()
     grads = lora_grads(model)
+    ours = {k: v[-1] for k, v in trainer.step_metrics.items()}
 
     torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=tolerance["loss"][0], atol=tolerance["loss"][1])
     assert grads.keys() == trl_grads.keys() and len(grads) == 2 * 3 * 2  # 2 layers x 3 modules x (A, B)
@@ -158,16 +149,31 @@ def test_the_reference_loss_equals_trl_in_value_gradient_and_diagnostics(tiny_mo
         scale = float(grad.abs().max()) if device.type == "cuda" else 1.0
         torch.testing.assert_close(grad, trl_grads[name], rtol=rtol, atol=atol * scale, msg=name)
 
-    trl_names = {"losses/clipfrac_low": "clip_ratio/low_mean", "losses/clipfrac_high": "clip_ratio/high_mean",
-                 "losses/clipfrac": "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean",
-                 "losses/kl": "kl"}
-    assert {trl_names[k] for k in stats if k in trl_names} == {v for v in trl_names.values() if v in trl_metrics}
-    for key, trl_key in trl_names.items():
-        if key in stats:
-            assert float(stats[key]) == pytest.approx(trl_metrics[trl_key], rel=1e-5, abs=1e-7), key
+    # every diagnostic TRL logs, but its per-sequence extremes; approx_kl is ours alone
+    assert set(ours) - {"approx_kl"} == set(trl_metrics) - {"clip_ratio/low_min", "clip_ratio/high_max"}
+    for key in set(ours) - {"approx_kl"}:
+        assert ours[key] == pytest.approx(trl_metrics[key], rel=1e-5, abs=1e-7), key
     if loss_type in ("grpo", "dapo") and level == "token":  # the batch reaches both sides of the clip range
-        assert float(stats["losses/clipfrac_low"]) > 0 and float(stats["losses/clipfrac_high"]) > 0
-    assert float(stats["losses/approx_kl"]) > 0.01  # ~0.3 nats of noise per token: the policy is not the sampler
+        assert ours["clip_ratio/low_mean"] > 0 and ours["clip_ratio/high_mean"] > 0
+    assert ours["approx_kl"] > 0.01  # ~0.3 nats of noise per token: the policy is not the sampler
+
+
+def test_the_forward_both_losses_use_gives_the_models_own_logprobs(tiny_model: Path) -> None:
+    """TRL's fused LM head (what the loss's forward uses) against the model's logits / temperature, log-softmax."""
+    import torch
+
+    trainer = make_trainer(tiny_model, "dapo", "token", 0.0)
+    device = trainer.accelerator.device
+    batch = {k: v.to(device) for k, v in fixed_batch().items()}
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        fused, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
+                                                                 MAX_COMPLETION_LENGTH)
+        full = policy_logps(trainer.model, batch)
+    sampled = batch["completion_mask"].bool()  # TRL's logprobs are 0 on padding
+    rtol, atol = TOLERANCES[device.type]["logps"]
+    torch.testing.assert_close(fused[sampled], full[sampled].float(), rtol=rtol, atol=atol)
 
 
 def test_approx_kl_is_zero_on_policy_and_grows_with_the_distance() -> None:

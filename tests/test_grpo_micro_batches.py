@@ -17,14 +17,9 @@ from typing import Any
 
 import pytest
 
-from flywheel.trainer.grpo import (
-    CapturedRollout,
-    captured_trainer_class,
-    passthrough_reward,
-    plan_groups,
-    token_budget_pieces,
-)
 from flywheel.trainer.grpo_loss import LOSS_TYPES
+from flywheel.trainer.sample_plan import CapturedRollout, passthrough_reward, plan_groups, token_budget_pieces
+from flywheel.trainer.trl_adapter import captured_trainer_class
 from tests.test_trl_contract import captured_batch
 
 # (loss type, importance sampling level, prompts): "same", one prompt length (a group's prompt, G times): exact;
@@ -182,7 +177,7 @@ def test_reference_logprobs_are_computed_once_per_sample_and_equal_trls(tiny_mod
     torch.testing.assert_close(first["ref_per_token_logps"], trl["ref_per_token_logps"], rtol=0, atol=0)
     trl["old_per_token_logps"] = second["old_per_token_logps"]  # the captured behaviour logprobs: ours
     trl["advantages"] = second["advantages"]
-    assert float(trainer._compute_loss(trainer.model, second)) == float(trainer._compute_loss(trainer.model, trl))
+    assert float(trainer.compute_loss(trainer.model, second)) == float(trainer.compute_loss(trainer.model, trl))
 
 
 def test_without_a_kl_term_there_is_no_reference_forward(tiny_model: Path) -> None:

@@ -1,12 +1,16 @@
-"""What trainer/grpo.py relies on in TRL's private GRPOTrainer methods, checked on a real trainer.
+"""What trainer/trl_adapter.py relies on in TRL's GRPOTrainer, checked on a real trainer.
 
-``CapturedGRPOTrainer`` wraps ``_generate_and_score_completions`` (reads and replaces keys of its
-output; sets ``beta`` to 0 around it to skip the reference forward of samples it already has),
-``_get_per_token_logps_and_entropies`` (catches the policy logprobs of the loss's forward, and calls
-it on token-budget pieces of the rows), ``compute_loss`` (trains a micro-batch piece by piece) and
-``_compute_loss`` (logs approx_kl beside it). It relies on TRL's fused LM head for logprobs that never
-materialize the [tokens, vocab] logits. None of this is TRL's public API: pyproject.toml pins TRL to
-the minor version these tests pass on, and each failure says what changed.
+``CapturedGRPOTrainer`` overrides two public hooks of the HF Trainer: ``compute_loss`` (one policy
+forward, then trainer/grpo_loss.py's loss, piece by piece under a token budget) and ``log`` (our
+per-step diagnostics into TRL's log line). It overrides two private GRPOTrainer methods:
+``_generate_and_score_completions`` (reads and replaces keys of its output; sets ``beta`` to 0
+around it to skip the reference forward of samples it already has) and
+``_get_per_token_logps_and_entropies`` (the policy forward: TRL's fused LM head, whose logprobs
+never materialize the [tokens, vocab] logits; counts forwarded tokens, and runs TRL's whole-batch
+forwards on token-budget pieces). ``_compute_loss`` is no longer overridden nor called in training:
+only tests/test_grpo_loss.py calls it, as the reference our loss must equal. None of the private
+methods is TRL's public API: pyproject.toml pins TRL to the minor version these tests pass on, and
+each failure says what changed.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import Any
 
 import pytest
 
-from flywheel.trainer.grpo import CapturedRollout, captured_trainer_class, passthrough_reward, plan_groups
+from flywheel.trainer.sample_plan import CapturedRollout, passthrough_reward, plan_groups
 from flywheel.trainer.samples import Sample, SampleBatch
+from flywheel.trainer.trl_adapter import captured_trainer_class, unsupported_loss_options
 
 ROOT = Path(__file__).resolve().parent.parent
-CHANGED = "TRL changed what trainer/grpo.py's CapturedGRPOTrainer relies on: "
+CHANGED = "TRL changed what trainer/trl_adapter.py's CapturedGRPOTrainer relies on: "
 
 
 def test_the_installed_trl_is_the_one_pyproject_pins() -> None:
@@ -42,8 +47,9 @@ def test_the_installed_trl_is_the_one_pyproject_pins() -> None:
     ("_generate_and_score_completions", ["self", "inputs"]),
     ("_get_per_token_logps_and_entropies", ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                             "batch_size", "compute_entropy"]),
-    ("_compute_loss", ["self", "model", "inputs"]),
+    ("_compute_loss", ["self", "model", "inputs"]),  # not overridden: tests/test_grpo_loss.py's reference
     ("compute_loss", ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]),
+    ("log", ["self", "logs", "start_time"]),
 ])
 def test_the_wrapped_methods_keep_their_signatures(method: str, leading: list[str]) -> None:
     from trl import GRPOTrainer
@@ -129,14 +135,33 @@ def test_the_wrapper_clips_against_the_captured_logprobs_and_logs_approx_kl(trai
     old = output["old_per_token_logps"]
     assert old[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4])
     assert not torch.isnan(old).any()  # unknown: TRL's own old logprobs, never NaN
-    trainer._metrics["train"].clear()
-    loss = trainer._compute_loss(trainer.model, output)
+    trainer.step_metrics.clear()
+    loss = trainer.compute_loss(trainer.model, output)
     assert math.isfinite(loss.item())
-    logged = trainer._metrics["train"]
-    assert len(logged["approx_kl"]) == 1, CHANGED + "_compute_loss no longer makes one policy forward"
+    logged = trainer.step_metrics
+    assert len(logged["approx_kl"]) == 1
     # the captured logprobs (-1.0 ...) are far from the random policy's (~ -7): the policy is not the sampler
     assert logged["approx_kl"][0] > 1.0
-    assert "clip_ratio/region_mean" in logged, CHANGED + "clip_ratio/region_mean is no longer logged (losses/clipfrac)"
+    assert {"clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy"} <= set(logged)
+
+
+def test_the_log_line_carries_our_diagnostics_beside_trls(trainer: Any) -> None:
+    trainer.step_metrics.clear()
+    trainer.step_metrics["approx_kl"] += [0.5, 1.5]  # two micro-batches of the step
+    history = len(trainer.state.log_history)
+    trainer.log({"loss": 1.0})
+    line = trainer.state.log_history[history]
+    assert line["approx_kl"] == 1.0 and line["loss"] == 1.0, (
+        CHANGED + f"GRPOTrainer.log no longer writes the metrics it is handed: {line}")
+    assert not trainer.step_metrics  # a step's means, not a running mean
+
+
+def test_the_options_grpo_loss_does_not_write_out_are_refused(trainer: Any) -> None:
+    from types import SimpleNamespace
+
+    assert unsupported_loss_options(trainer.args) == []
+    changed = SimpleNamespace(**{**vars(trainer.args), "delta": 1.5, "entropy_coef": 0.01, "loss_type": "vespo"})
+    assert unsupported_loss_options(changed) == ["loss_type", "delta", "entropy_coef"]
 
 
 def test_the_reference_forward_runs_only_when_beta_is_not_zero() -> None:
@@ -156,7 +181,7 @@ def test_the_loss_forward_never_materializes_the_logits(trainer: Any) -> None:
     handle = lm_head.register_forward_hook(lambda module, args, output: calls.append(tuple(output.shape)))
     try:
         output = trainer._generate_and_score_completions([{"prompt": "g", "slot": 0} for _ in range(4)])
-        trainer._compute_loss(trainer.model, output)
+        trainer.compute_loss(trainer.model, output)
     finally:
         handle.remove()
     assert calls == [], CHANGED + f"the logprob forwards compute the full logits {calls}: add_fused_lm_head is gone"

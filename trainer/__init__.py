@@ -9,6 +9,8 @@ runs (``train_round``) or the tiny model is built.
 from typing import TYPE_CHECKING, Any
 
 from flywheel.trainer import adapters
+from flywheel.trainer.grpo_args import GRPOArgs, RoundResult
+from flywheel.trainer.sample_plan import CapturedRollout, GroupPlan, passthrough_reward, plan_groups
 from flywheel.trainer.samples import (
     AdvantageScale,
     Sample,
@@ -23,25 +25,15 @@ from flywheel.trainer.samples import (
 )
 
 if TYPE_CHECKING:
-    from flywheel.trainer.grpo import (
-        CapturedRollout,
-        GroupPlan,
-        GRPOArgs,
-        RoundResult,
-        passthrough_reward,
-        plan_groups,
-        train_round,
-    )
-
-_GRPO = {"CapturedRollout", "GroupPlan", "GRPOArgs", "RoundResult", "passthrough_reward", "plan_groups", "train_round"}
+    from flywheel.trainer.grpo import train_round
 
 
 def __getattr__(name: str) -> Any:
     # flywheel.trainer.grpo on first use: `python -m flywheel.trainer.grpo` must not find it imported already.
-    if name in _GRPO:
+    if name == "train_round":
         from flywheel.trainer import grpo
 
-        return getattr(grpo, name)
+        return grpo.train_round
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from flywheel.capture.models import AdapterVersion, TrainingRun
-    from flywheel.trainer.grpo import RoundResult
+    from flywheel.trainer.grpo_args import RoundResult
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

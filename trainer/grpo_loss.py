@@ -1,11 +1,13 @@
-"""GRPO's loss, top to bottom: what TRL's ``GRPOTrainer._compute_loss`` (TRL 1.16) minimizes for one batch.
+"""GRPO's loss, top to bottom: the loss that trains, in the order of the papers.
 
-TRL computes the loss that trains (``trainer/grpo.py``). This file is the same objective written
-out in the order of the papers, for reading; ``tests/test_grpo_loss.py`` checks that it equals
-TRL's loss and gradients on a real tiny-model trainer for every ``loss_type`` and
-``importance_sampling_level`` we expose, so the two cannot silently disagree. Shapes: B
-sequences, T completion tokens; ``b_mask`` is 1 on the tokens the model sampled (TRL's
-``completion_mask * tool_mask``), 0 on padding and on tool / user / template tokens.
+``CapturedGRPOTrainer.compute_loss`` (``trainer/trl_adapter.py``) makes the policy's forward
+through TRL's fused LM head and calls ``grpo_loss`` on its logprobs: this file is the objective
+that is minimized. ``tests/test_grpo_loss.py`` checks the trainer's loss against TRL's own
+(``GRPOTrainer._compute_loss``, TRL 1.16) in value, gradients and diagnostics on a real tiny-model
+trainer for every ``loss_type`` and ``importance_sampling_level`` we expose, so the two cannot
+silently disagree. Shapes: B sequences, T completion tokens; ``b_mask`` is 1 on the tokens the
+model sampled (TRL's ``completion_mask * tool_mask``), 0 on padding and on tool / user / template
+tokens.
 
 1. **Advantages** (Shao et al. 2024, DeepSeekMath §4.1.2): every attempt i of a group gets
    ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, the same for all its tokens. They are computed
@@ -20,13 +22,14 @@ sequences, T completion tokens; ``b_mask`` is 1 on the tokens the model sampled 
 6. **Diagnostics** beside the loss: ``approx_kl`` (how far the policy moved from the sampler) and
    ``clipfrac`` (the share of tokens whose gradient the clipping removed).
 
-What a batch is: TRL calls the loss on each micro-batch and accumulates gradients. ``grpo``,
-``sapo``, ``bnpo`` and ``dr_grpo`` are divided by the number of accumulation steps (the step's loss
-is the mean of its micro-batch losses); ``dapo`` and ``cispo`` divide the token sum by
-``num_items_in_batch``, the sampled tokens of the whole step on all processes, so the step's loss
-is one token mean over the step. The options TRL has and we leave at their defaults (``delta``,
-``top_entropy_quantile``, ``off_policy_mask_threshold``, vLLM importance sampling, the entropy
-bonus) are not written here.
+What a batch is: the trainer calls the loss on each micro-batch and accumulates gradients.
+``grpo``, ``sapo``, ``bnpo`` and ``dr_grpo`` are divided by ``micro_batches``, the accumulation
+steps (the step's loss is the mean of its micro-batch losses); ``dapo`` and ``cispo`` divide the
+token sum by ``num_items_in_batch``, the sampled tokens of the whole step (per process: data
+parallelism averages the processes' gradients), so the step's loss is one token mean over the
+step. The options TRL has that are not written here (``delta``, ``top_entropy_quantile``,
+``off_policy_mask_threshold``, vLLM importance sampling, the entropy bonus, KL without the ratio)
+the trainer refuses.
 """
 
 from __future__ import annotations
@@ -64,13 +67,14 @@ def grpo_loss(b_logps: Tensor, b_old_logps: Tensor, b_advantages: Tensor, b_mask
               loss_type: str = "dapo", importance_sampling_level: str = "token", epsilon_low: float = 0.2,
               epsilon_high: float = 0.2, beta: float = 0.0, b_ref_logps: Tensor | None = None,
               max_completion_length: int | None = None, num_items_in_batch: Tensor | None = None,
-              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              micro_batches: int = 1, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
               ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one batch and its diagnostics (``losses/approx_kl``, ``losses/clipfrac``, ``losses/kl``, ...).
 
     ``b_logps``: log pi_theta of each completion token at the trainer's temperature, with gradient;
     ``b_old_logps``: the behaviour policy's (the captured logprobs, or the policy's own at the start
-    of the step); ``b_ref_logps``: the reference policy's, needed when ``beta > 0``.
+    of the step); ``b_ref_logps``: the reference policy's, needed when ``beta > 0``;
+    ``num_items_in_batch`` and ``micro_batches``: what the step is (above; default: this batch alone).
     """
     import torch
 
@@ -113,17 +117,17 @@ def grpo_loss(b_logps: Tensor, b_old_logps: Tensor, b_advantages: Tensor, b_mask
     # 5. aggregation over the sampled tokens
     if loss_type in ("grpo", "sapo"):
         # DeepSeekMath eq. 3: the mean over sequences of each sequence's token mean (long answers weigh less per token)
-        loss = masked_mean(per_token_loss, b_mask, dim=-1).mean()
+        loss = masked_mean(per_token_loss, b_mask, dim=-1).mean() / micro_batches
     elif loss_type == "bnpo":
-        loss = masked_mean(per_token_loss, b_mask)  # one token mean over the batch
+        loss = masked_mean(per_token_loss, b_mask) / micro_batches  # one token mean over the batch
     elif loss_type == "dr_grpo":
         # Dr. GRPO (Liu et al. 2025, eq. 3): a constant denominator, B x max_completion_length: no length bias
         assert max_completion_length is not None, "dr_grpo needs max_completion_length"
-        loss = (per_token_loss * b_mask).sum() / (b_mask.size(0) * max_completion_length)
+        loss = (per_token_loss * b_mask).sum() / (b_mask.size(0) * max_completion_length) / micro_batches
     else:
         # DAPO (Yu et al. 2025, eq. 10) and CISPO: token sum over the sampled tokens of the whole step
-        tokens = b_mask.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = (per_token_loss * b_mask).sum() / tokens.clamp(min=1.0)
+        tokens = b_mask.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+        loss = (per_token_loss * b_mask).sum() / tokens
 
     # 6. diagnostics, without gradient
     with torch.no_grad():
@@ -156,6 +160,18 @@ def piece_weight(loss_type: str, rows: int, tokens: float, total_rows: int, tota
     if loss_type == "bnpo":
         return tokens / total_tokens if total_tokens > 0 else 0.0
     return rows / total_rows
+
+
+def diagnostic_weights(stats: dict[str, Tensor], b_mask: Tensor, importance_sampling_level: str) -> Tensor:
+    """What each of ``grpo_loss``'s diagnostics is a mean over, to average it across batches and processes.
+
+    The sampled tokens, or for GSPO's clip fractions (one ratio per sequence) the sequences.
+    """
+    import torch
+
+    tokens, rows = b_mask.sum().float(), torch.tensor(float(b_mask.size(0)), device=b_mask.device)
+    per_sequence = importance_sampling_level == "sequence"
+    return torch.stack([rows if per_sequence and key.startswith("losses/clipfrac") else tokens for key in stats])
 
 
 def _level_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -188,7 +188,7 @@ def field_values(pairs: list[str]) -> dict[str, Any]:
     import json
     from dataclasses import fields
 
-    from flywheel.trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo_args import GRPOArgs
 
     known = {f.name for f in fields(GRPOArgs)}
     values: dict[str, Any] = {}

@@ -210,7 +210,7 @@ class GroupsConfig(BaseModel):
 
 
 class TrainConfig(BaseModel):
-    """``flywheel train``: GRPO settings (trainer/grpo.py: GRPOArgs) and batch size."""
+    """``flywheel train``: GRPO settings (trainer/grpo_args.py: GRPOArgs) and batch size."""
 
     args: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields, e.g. {learning_rate = 1e-5, max_steps = 8}
     tiny_defaults: bool = True  # training the built-in tiny model starts from GRPOArgs.tiny() (lr 1e-2, r 16)

@@ -29,7 +29,7 @@ def base_model_path(settings: Settings, alias: str) -> str:
 
 def grpo_args(settings: Settings, base_model: str, overrides: dict[str, Any] | None = None) -> Any:
     """``GRPOArgs`` from ``[train] args`` (+ overrides); the tiny model starts from its CPU settings."""
-    from flywheel.trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo_args import GRPOArgs
 
     values = {**settings.train.args, **(overrides or {})}
     tiny = settings.train.tiny_defaults and Path(base_model).resolve() == (

@@ -147,7 +147,7 @@ def reserve_version(store: Store, settings: Settings, alias: str, base_model: st
 @op("record_round")
 def record_round(store: Store, settings: Settings, alias: str, version: int, parent_version: int | None,
                  promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Any:
-    from flywheel.trainer.grpo import RoundResult
+    from flywheel.trainer.grpo_args import RoundResult
 
     adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
                               parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])

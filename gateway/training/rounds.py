@@ -202,7 +202,7 @@ class StoreFile:
 class RoundOutcome:
     status: str  # "finished" | "skipped" | "nothing"
     version: int | None
-    result: Any  # flywheel.trainer.grpo.RoundResult, None when nothing was trained
+    result: Any  # flywheel.trainer.grpo_args.RoundResult, None when nothing was trained
     groups: int
 
 
@@ -216,7 +216,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     several GPUs, the same code) instead of in this process."""
     from flywheel.capture.batches import TrainingGroup
     from flywheel.trainer import adapters
-    from flywheel.trainer.grpo import GRPOArgs
+    from flywheel.trainer.grpo_args import GRPOArgs
 
     batch = where.batch(alias, max_groups, group_ids)
     if not batch.groups:
@@ -255,7 +255,7 @@ def launched_round(launcher: list[str], base_model: str, groups: list[Any], args
     import subprocess
     from dataclasses import asdict
 
-    from flywheel.trainer.grpo import RoundResult
+    from flywheel.trainer.grpo_args import RoundResult
 
     with tempfile.TemporaryDirectory(prefix="flywheel-round-") as tmp:
         files = Path(tmp)

@@ -112,7 +112,7 @@ class TrainableModel(Model):
         """Train one step on these groups and serve the result at once (ART's older form of ``backend.train``).
 
         ``config``'s explicitly set fields override the gateway's training settings; ``_config`` may
-        add other GRPO settings by name (ART's unstable dev config, here ``trainer/grpo.py: GRPOArgs``).
+        add other GRPO settings by name (ART's unstable dev config, here ``trainer/grpo_args.py: GRPOArgs``).
         """
         settings = {} if config is None else {name: getattr(config, name) for name in config.model_fields_set}
         return await self.backend().train(self, trajectory_groups, learning_rate=settings.get("learning_rate",
