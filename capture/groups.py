@@ -208,6 +208,34 @@ def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = Fal
     return list(reversed(path))
 
 
+def branches(session: Session, members: list[GroupMemberRow], *, single_turn: bool = False) -> dict[str, list[Turn]]:
+    """``branch_turns`` of many members at once (by leaf turn id): their trajectories' turns in one query, a parent
+    outside them looked up by itself."""
+    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    known: dict[str, Turn] = {}
+    wanted = col(Turn.id).in_(leaves) if single_turn else \
+        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
+    for turn in session.exec(select(Turn).where(wanted)):
+        known[turn.id] = turn
+    out: dict[str, list[Turn]] = {}
+    for leaf in leaves:
+        path: list[Turn] = []
+        current = known.get(leaf) or session.get(Turn, leaf)
+        while current is not None:
+            path.append(current)
+            if single_turn or current.parent_turn_id is None:
+                break
+            current = known.get(current.parent_turn_id) or session.get(Turn, current.parent_turn_id)
+        out[leaf] = list(reversed(path))
+    return out
+
+
+def with_sub_agents(session: Session, trajectory_ids: list[str]) -> set[str]:
+    """Which of ``trajectory_ids`` a sub-agent worked for."""
+    return set(session.exec(select(Trajectory.parent_trajectory_id)
+                            .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids))))  # type: ignore[arg-type]
+
+
 def branch_messages(turns: list[Turn]) -> list[dict[str, Any]]:
     """A branch as one OpenAI message list: the conversation as it happened, each answer in place
     (``flywheel.capture.history.branch_conversation``: a request that rewrote its history loses nothing before it)."""
