@@ -37,41 +37,33 @@ def groups_of(store: Store) -> dict[str, set[str]]:
     return out
 
 
-def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.duckdb")
-    try:
-        closed(store, "t1", "task-x", utcnow())
-        assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # the first run: a full pass
-        mark = store_ops.FORMATION_MARKS[store]
-        assert mark.started is not None and mark.since() is not None  # the next run is incremental
-        # Written concurrently with that run: it closed before the run started, its transaction committed after.
-        closed(store, "t2", "task-x", mark.started - timedelta(seconds=1))
-        formed = store_ops.run_group_formation(store, SETTINGS)["formed"]
-        assert [g["key"] for g in formed] == ["task-x"]
-        assert groups_of(store) == {"task-x": {"t1", "t2"}}
-    finally:
-        store.close()
+def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(store: Store) -> None:
+    closed(store, "t1", "task-x", utcnow())
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # the first run: a full pass
+    mark = store_ops.FORMATION_MARKS[store]
+    assert mark.started is not None and mark.since() is not None  # the next run is incremental
+    # Written concurrently with that run: it closed before the run started, its transaction committed after.
+    closed(store, "t2", "task-x", mark.started - timedelta(seconds=1))
+    formed = store_ops.run_group_formation(store, SETTINGS)["formed"]
+    assert [g["key"] for g in formed] == ["task-x"]
+    assert groups_of(store) == {"task-x": {"t1", "t2"}}
 
 
-def test_what_the_watermark_cannot_see_the_full_pass_finds(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.duckdb")
-    try:
-        assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []
-        long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
-        closed(store, "t1", "task-y", long_ago)
-        closed(store, "t2", "task-y", long_ago + timedelta(seconds=1))
-        assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # incremental: not seen
-        store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
-        assert [g["key"] for g in store_ops.run_group_formation(store, SETTINGS)["formed"]] == ["task-y"]
-        assert store_ops.FORMATION_MARKS[store].since() is not None
-    finally:
-        store.close()
+def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None:
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []
+    long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
+    closed(store, "t1", "task-y", long_ago)
+    closed(store, "t2", "task-y", long_ago + timedelta(seconds=1))
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # incremental: not seen
+    store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
+    assert [g["key"] for g in store_ops.run_group_formation(store, SETTINGS)["formed"]] == ["task-y"]
+    assert store_ops.FORMATION_MARKS[store].since() is not None
 
 
-def test_incremental_runs_form_what_full_passes_form(tmp_path: Path) -> None:
+def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Path) -> None:
     """A mixed sequence of trajectories and runs, on two stores: one run by run from its watermark, the other
     with a full pass every run; the same groups."""
-    incremental, full = Store(tmp_path / "incremental.duckdb"), Store(tmp_path / "full.duckdb")
+    incremental, full = store, Store(tmp_path / "full.duckdb")
     try:
         now = utcnow()
         written = [(f"t{i}", f"task-{i % 5}", now + timedelta(milliseconds=i)) for i in range(23)]
@@ -88,5 +80,4 @@ def test_incremental_runs_form_what_full_passes_form(tmp_path: Path) -> None:
         assert by_runs == by_full
         assert sum(len(m) for m in by_runs.values()) >= 20
     finally:
-        incremental.close()
         full.close()
