@@ -32,14 +32,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import or_
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
 
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
 from flywheel.capture.canonical import content_text
 from flywheel.capture.history import branch_conversation
+from flywheel.capture.linker import chunks
 from flywheel.capture.models import Group, Score, Trajectory, Turn, utcnow
 from flywheel.capture.models import GroupMember as GroupMemberRow
+from flywheel.capture.store import bulk_insert
 from flywheel.capture.turns import new_id
 
 
@@ -60,32 +63,53 @@ def held_out(trajectory_id: str, fraction: float) -> bool:
     return bucket < fraction
 
 
-def form_groups(session: Session, rules: GroupingRules, now: datetime | None = None) -> list[Group]:
-    """Form every group the store allows now; returns the new groups (committed by the caller)."""
+def form_groups(session: Session, rules: GroupingRules, now: datetime | None = None, *,
+                since: datetime | None = None) -> list[Group]:
+    """Form every group the store allows now; returns the new groups (committed by the caller).
+
+    ``since`` (None: every key): only the keys a trajectory closed at or after it, and the turns forked at or
+    after it, can form a group: what a run that formed nothing before ``since`` left is unchanged, so it would
+    form nothing again (docs/loop.md, "Incremental jobs"). Cohorts always look at every trajectory.
+    """
     now = now or utcnow()
-    formed: list[Group] = _fork_groups(session, rules, now)
-    grouped = set(session.exec(select(GroupMemberRow.trajectory_id).join(
-        Group, col(Group.id) == col(GroupMemberRow.group_id)).where(Group.source != "fork")))
-    closed = [t for t in session.exec(select(Trajectory).where(Trajectory.status == "closed")
-                                      .order_by(col(Trajectory.created_at)))
-              if t.id not in grouped and t.close_reason != "fork"  # fork siblings live in their fork group
-              and t.parent_trajectory_id is None]  # sub-agents are scored with their parent
+    since = None if rules.cohorts else since
+    forked = _fork_groups(session, rules, now, since)
+    grouped = select(GroupMemberRow.trajectory_id).join(Group, col(Group.id) == col(GroupMemberRow.group_id)) \
+        .where(Group.source != "fork")
+    not_a_fork = or_(col(Trajectory.close_reason).is_(None), col(Trajectory.close_reason) != "fork")
+    query = select(Trajectory).where(Trajectory.status == "closed", col(Trajectory.id).not_in(grouped), not_a_fork,
+                                     col(Trajectory.parent_trajectory_id).is_(None))  # scored with their parent
+    if since is not None:
+        changed = aliased(Trajectory)
+        query = query.where(or_(
+            col(Trajectory.task_key).in_(select(changed.task_key).where(col(changed.closed_at) >= since)),
+            col(Trajectory.group_key).in_(select(changed.group_key).where(col(changed.closed_at) >= since))))
+    closed = list(session.exec(query.order_by(col(Trajectory.created_at), col(Trajectory.id))))
     still_open = set(session.exec(select(Trajectory.group_key).where(Trajectory.status == "open",
                                                                      col(Trajectory.group_key).is_not(None))))
     explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
-    formed += _keyed_groups(session, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
+    rows: list[GroupMemberRow] = []
+    formed = _keyed_groups(rows, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
     remaining = [t for t in closed if not t.group_key and not held_out(t.id, rules.holdout_fraction)]
-    formed += _keyed_groups(session, "task", remaining, lambda t: t.task_key, rules, now, window_s=rules.task_window_s)
-    if rules.cohorts:
-        session.flush()
+    formed += _keyed_groups(rows, "task", remaining, lambda t: t.task_key, rules, now, window_s=rules.task_window_s)
+    _insert(session, formed, rows)
+    if rules.cohorts:  # after the others: a trajectory in any group (forks too) joins no cohort
         taken = set(session.exec(select(GroupMemberRow.trajectory_id)))
-        left = [t for t in remaining if t.id not in taken]
-        formed += _keyed_groups(session, "cohort", left, lambda t: _cohort_key(session, t), rules, now,
-                                window_s=rules.task_window_s)
-    return formed
+        rows = []
+        formed += (cohorts := _keyed_groups(rows, "cohort", [t for t in remaining if t.id not in taken],
+                                            lambda t: _cohort_key(session, t), rules, now,
+                                            window_s=rules.task_window_s))
+        _insert(session, cohorts, rows)
+    return forked + formed
 
 
-def _keyed_groups(session: Session, source: str, trajectories: list[Trajectory], key_of: object,
+def _insert(session: Session, groups: list[Group], members: list[GroupMemberRow]) -> None:
+    """New groups and their members, one multi-row insert per table (the ORM writes row by row)."""
+    bulk_insert(session, Group, [g.model_dump() for g in groups])
+    bulk_insert(session, GroupMemberRow, [m.model_dump() for m in members])
+
+
+def _keyed_groups(rows: list[GroupMemberRow], source: str, trajectories: list[Trajectory], key_of: object,
                   rules: GroupingRules, now: datetime, *, window_s: float | None) -> list[Group]:
     buckets: dict[tuple[str, str], list[Trajectory]] = defaultdict(list)
     for trajectory in trajectories:
@@ -96,7 +120,7 @@ def _keyed_groups(session: Session, source: str, trajectories: list[Trajectory],
     for (alias, key), members in buckets.items():
         for window in _windows(members, window_s):
             if len(window) >= rules.min_size:
-                formed.append(_add_group(session, source, key, alias, window[: rules.max_size], now))
+                formed.append(_new_group(rows, source, key, alias, window[: rules.max_size], now))
     return formed
 
 
@@ -115,39 +139,45 @@ def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list
         yield current
 
 
-def _fork_groups(session: Session, rules: GroupingRules, now: datetime) -> list[Group]:
+def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: datetime | None) -> list[Group]:
     """One group per forked completion: the client's choice(s) plus the gateway's siblings; none for a turn of a
     held-out conversation, so that its first request stays a context the promotion gate can use."""
     sibling = aliased(Turn)
+    forked = select(sibling.completion_id).where(sibling.source == "fork")
+    if since is not None:
+        forked = forked.where(col(sibling.created_at) >= since)
     pending = session.exec(select(Turn.completion_id, Turn.trajectory_id).where(
-        Turn.source != "fork",
-        col(Turn.completion_id).in_(select(sibling.completion_id).where(sibling.source == "fork")),
+        Turn.source != "fork", col(Turn.completion_id).in_(forked),
         col(Turn.completion_id).not_in(select(Group.key).where(Group.source == "fork"))))
-    fork_ids = {completion_id for completion_id, trajectory_id in pending
-                if not held_out(trajectory_id, rules.holdout_fraction)}
-    formed = []
-    for completion_id in sorted(fork_ids):
-        turns = list(session.exec(select(Turn).where(Turn.completion_id == completion_id)
-                                  .order_by(col(Turn.choice_index))))
-        if len(turns) < rules.min_size:
-            continue
-        formed.append(_add_group(session, "fork", completion_id, turns[0].alias, turns[: rules.max_size], now))
+    fork_ids = sorted({completion_id for completion_id, trajectory_id in pending
+                       if not held_out(trajectory_id, rules.holdout_fraction)})
+    by_completion: dict[str, list[Turn]] = defaultdict(list)
+    for chunk in chunks(fork_ids, 500):
+        for turn in session.exec(select(Turn).where(col(Turn.completion_id).in_(chunk))
+                                 .order_by(col(Turn.completion_id), col(Turn.choice_index))):
+            by_completion[turn.completion_id].append(turn)
+    formed: list[Group] = []
+    rows: list[GroupMemberRow] = []
+    for completion_id in fork_ids:
+        turns = by_completion[completion_id]
+        if len(turns) >= rules.min_size:
+            formed.append(_new_group(rows, "fork", completion_id, turns[0].alias, turns[: rules.max_size], now))
+    _insert(session, formed, rows)
     return formed
 
 
-def _add_group(session: Session, source: str, key: str, alias: str, members: list[Trajectory] | list[Turn],
-               now: datetime) -> Group:
+def _new_group(rows: list[GroupMemberRow], source: str, key: str, alias: str,
+               members: list[Trajectory] | list[Turn], now: datetime) -> Group:
+    """A closed group of ``members`` (their rows appended to ``rows``; both added to the session by the caller)."""
     group = Group(id=new_id("grp"), source=source, key=key, alias=alias, status="closed", size=len(members),
                   created_at=now, closed_at=now)
-    session.add(group)
     for member in members:
         if isinstance(member, Turn):  # fork: a single turn, possibly inside a longer trajectory
-            session.add(GroupMemberRow(group_id=group.id, trajectory_id=member.trajectory_id,
+            rows.append(GroupMemberRow(group_id=group.id, trajectory_id=member.trajectory_id,
                                        leaf_turn_id=member.id, added_at=now))
         else:
-            session.add(GroupMemberRow(group_id=group.id, trajectory_id=member.id,
+            rows.append(GroupMemberRow(group_id=group.id, trajectory_id=member.id,
                                        leaf_turn_id=member.latest_turn_id, added_at=now))
-    session.flush()
     return group
 
 
@@ -176,6 +206,34 @@ def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = Fal
             break
         current = session.get(Turn, current.parent_turn_id)
     return list(reversed(path))
+
+
+def branches(session: Session, members: list[GroupMemberRow], *, single_turn: bool = False) -> dict[str, list[Turn]]:
+    """``branch_turns`` of many members at once (by leaf turn id): their trajectories' turns in one query, a parent
+    outside them looked up by itself."""
+    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    known: dict[str, Turn] = {}
+    wanted = col(Turn.id).in_(leaves) if single_turn else \
+        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
+    for turn in session.exec(select(Turn).where(wanted)):
+        known[turn.id] = turn
+    out: dict[str, list[Turn]] = {}
+    for leaf in leaves:
+        path: list[Turn] = []
+        current = known.get(leaf) or session.get(Turn, leaf)
+        while current is not None:
+            path.append(current)
+            if single_turn or current.parent_turn_id is None:
+                break
+            current = known.get(current.parent_turn_id) or session.get(Turn, current.parent_turn_id)
+        out[leaf] = list(reversed(path))
+    return out
+
+
+def with_sub_agents(session: Session, trajectory_ids: list[str]) -> set[str]:
+    """Which of ``trajectory_ids`` a sub-agent worked for."""
+    return set(session.exec(select(Trajectory.parent_trajectory_id)
+                            .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids))))  # type: ignore[arg-type]
 
 
 def branch_messages(turns: list[Turn]) -> list[dict[str, Any]]:

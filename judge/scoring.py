@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
 
-from flywheel.capture.groups import branch_messages, branch_turns, member_messages
+from flywheel.capture.groups import branch_messages, branches, member_messages, with_sub_agents
 from flywheel.capture.models import Feedback, Group, Score, utcnow
 from flywheel.capture.models import GroupMember as GroupMemberRow
+from flywheel.capture.store import bulk_insert
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
 from flywheel.capture.turns import new_id
 from flywheel.judge.cache import JudgeCache
@@ -58,15 +59,18 @@ def group_for_judge(engine: Engine, group: Group) -> tuple[TrajectoryGroup, dict
     """The group as trajectories, the members' latest feedback rewards, and the task key (for the rubric)."""
     with Session(engine) as session:
         members = list(session.exec(select(GroupMemberRow).where(GroupMemberRow.group_id == group.id)))
+        fork = group.source == "fork"
+        paths = branches(session, members, single_turn=fork)  # one query, not one per turn
+        parents = set() if fork else with_sub_agents(session, [m.trajectory_id for m in members])
         trajectories = []
         task = None
         for member in members:
             if member.leaf_turn_id is None:
                 continue
-            fork = group.source == "fork"
-            turns = branch_turns(session, member.leaf_turn_id, single_turn=fork)
+            turns = paths[member.leaf_turn_id]
             task = task or turns[0].task_key
-            messages = branch_messages(turns) if fork else member_messages(session, member.trajectory_id, turns)
+            messages = member_messages(session, member.trajectory_id, turns) \
+                if member.trajectory_id in parents else branch_messages(turns)
             trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,
                                            id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id))
         feedback: dict[str, float] = {}
@@ -108,19 +112,18 @@ def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dic
 
 def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str | None,
                    rubric: str) -> None:
+    rows = []
+    for trajectory in group.trajectories:
+        source = trajectory.metadata.get("reward_source")
+        if source is None or trajectory.id is None:
+            continue
+        explanation = (trajectory.metadata.get("ruler") or {}).get("explanation", "")
+        rows.append(Score(id=new_id("score"), trajectory_id=trajectory.id, group_id=group_id, source="reward",
+                          value=trajectory.reward, explanation=f"{source}: {explanation}", judge_model=judge_model,
+                          rubric_hash=rubric, prompt_version=PROMPT_VERSION).model_dump())
     with Session(engine) as session:
-        for trajectory in group.trajectories:
-            source = trajectory.metadata.get("reward_source")
-            if source is None or trajectory.id is None:
-                continue
-            explanation = (trajectory.metadata.get("ruler") or {}).get("explanation", "")
-            session.add(Score(id=new_id("score"), trajectory_id=trajectory.id, group_id=group_id, source="reward",
-                              value=trajectory.reward, explanation=f"{source}: {explanation}",
-                              judge_model=judge_model, rubric_hash=rubric, prompt_version=PROMPT_VERSION))
-        row = session.get(Group, group_id)
-        if row is not None:
-            row.status = "scored"
-            session.add(row)
+        bulk_insert(session, Score, rows)  # one multi-row insert: the ORM writes row by row
+        session.execute(update(Group).where(col(Group.id) == group_id).values(status="scored"))
         session.commit()
 
 

@@ -12,9 +12,11 @@ import contextlib
 import inspect
 import math
 import statistics
+import time
+import weakref
 from collections.abc import Callable
-from dataclasses import asdict
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +87,42 @@ def close_idle(store: Store, settings: Settings) -> dict[str, int]:
     return {"closed": store.close_idle(settings.capture.idle_close_s)}
 
 
+MARK_LAG_S = 60.0  # a run looks back this far past the last run's start: writes that committed late are seen
+FULL_PASS_S = 600.0  # every key is looked at this often: what no watermark shows (a replayed spool, a deleted group)
+
+
+@dataclass
+class Watermark:
+    """Where the last run of an incremental job started, and when it last looked at everything (docs/loop.md)."""
+
+    started: datetime | None = None
+    full_at: float = -math.inf
+
+    def since(self) -> datetime | None:
+        """What this run reads from; None: everything (the first run, or a full pass is due)."""
+        if self.started is None or time.monotonic() - self.full_at >= FULL_PASS_S:
+            return None
+        return self.started - timedelta(seconds=MARK_LAG_S)
+
+    def ran(self, started: datetime, since: datetime | None) -> None:
+        self.started = started
+        if since is None:
+            self.full_at = time.monotonic()
+
+
+FORMATION_MARKS: weakref.WeakKeyDictionary[Store, Watermark] = weakref.WeakKeyDictionary()
+
+
 @op("form_groups")
 def run_group_formation(store: Store, settings: Settings) -> dict[str, Any]:
-    """Form the groups the store allows now; the new groups as dicts."""
+    """Form the groups the store allows now; the new groups as dicts. Incremental: only what changed since a
+    little before the last run (``Watermark``), and everything every ``FULL_PASS_S``."""
+    mark = FORMATION_MARKS.setdefault(store, Watermark())
+    started, since = utcnow(), mark.since()
     with Session(store.engine, expire_on_commit=False) as session:
-        groups = form_groups(session, grouping_rules(settings))
+        groups = form_groups(session, grouping_rules(settings), since=since)
         session.commit()
+    mark.ran(started, since)
     return {"formed": [{"id": g.id, "source": g.source, "key": g.key, "alias": g.alias, "size": g.size}
                        for g in groups]}
 

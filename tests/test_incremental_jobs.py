@@ -1,0 +1,83 @@
+"""The loop's incremental group formation: a watermark never loses a trajectory, and finds what a full pass finds."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from sqlmodel import select
+
+from flywheel.capture.models import Group, GroupMember, Trajectory, Turn, utcnow
+from flywheel.capture.store import Store
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.storeproc import store_ops
+
+SETTINGS = Settings(groups={"min_size": 2, "max_size": 4})
+
+
+def closed(store: Store, trajectory_id: str, task: str, closed_at: datetime) -> None:
+    """A closed one-turn trajectory of ``task`` that closed at ``closed_at`` (committed now, whatever that says)."""
+    with store.session() as session:
+        session.add(Trajectory(id=trajectory_id, alias="a", status="closed", task_key=task, created_at=closed_at,
+                               updated_at=closed_at, closed_at=closed_at, close_reason="idle", turn_count=1,
+                               latest_turn_id=f"turn_{trajectory_id}"))
+        session.add(Turn(id=f"turn_{trajectory_id}", trajectory_id=trajectory_id, completion_id=f"c_{trajectory_id}",
+                         requested_model="a", alias="a", engine_model="m", h_ctx="x", h_out=f"o_{trajectory_id}",
+                         task_key=task, created_at=closed_at))
+        session.commit()
+
+
+def groups_of(store: Store) -> dict[str, set[str]]:
+    with store.session() as session:
+        rows = session.exec(select(Group.key, GroupMember.trajectory_id)
+                            .join(GroupMember, GroupMember.group_id == Group.id)).all()
+    out: dict[str, set[str]] = {}
+    for key, trajectory_id in rows:
+        out.setdefault(key, set()).add(trajectory_id)
+    return out
+
+
+def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(store: Store) -> None:
+    closed(store, "t1", "task-x", utcnow())
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # the first run: a full pass
+    mark = store_ops.FORMATION_MARKS[store]
+    assert mark.started is not None and mark.since() is not None  # the next run is incremental
+    # Written concurrently with that run: it closed before the run started, its transaction committed after.
+    closed(store, "t2", "task-x", mark.started - timedelta(seconds=1))
+    formed = store_ops.run_group_formation(store, SETTINGS)["formed"]
+    assert [g["key"] for g in formed] == ["task-x"]
+    assert groups_of(store) == {"task-x": {"t1", "t2"}}
+
+
+def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None:
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []
+    long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
+    closed(store, "t1", "task-y", long_ago)
+    closed(store, "t2", "task-y", long_ago + timedelta(seconds=1))
+    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # incremental: not seen
+    store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
+    assert [g["key"] for g in store_ops.run_group_formation(store, SETTINGS)["formed"]] == ["task-y"]
+    assert store_ops.FORMATION_MARKS[store].since() is not None
+
+
+def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Path) -> None:
+    """A mixed sequence of trajectories and runs, on two stores: one run by run from its watermark, the other
+    with a full pass every run; the same groups."""
+    incremental, full = store, Store(tmp_path / "full.duckdb")
+    try:
+        now = utcnow()
+        written = [(f"t{i}", f"task-{i % 5}", now + timedelta(milliseconds=i)) for i in range(23)]
+        for start in range(0, len(written), 3):
+            for store in (incremental, full):
+                for trajectory_id, task, at in written[start:start + 3]:
+                    closed(store, trajectory_id, task, at)
+                if store is full and store in store_ops.FORMATION_MARKS:
+                    store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S
+                store_ops.run_group_formation(store, SETTINGS)
+        assert store_ops.FORMATION_MARKS[incremental].since() is not None
+        by_runs, by_full = ({key: sorted(members) for key, members in groups_of(s).items()}
+                            for s in (incremental, full))
+        assert by_runs == by_full
+        assert sum(len(m) for m in by_runs.values()) >= 20
+    finally:
+        full.close()
