@@ -8,6 +8,7 @@ stderr, which the serving process points at the child's log file.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -28,6 +29,10 @@ def serve(where: Where, alias: str) -> None:
     for line in sys.stdin:
         if line.strip():
             _write(replies, answer(where, alias, line))
+            # accelerate runs a full collection in every train(); frozen, what this process keeps (torch's
+            # modules, the kept model) is not walked again: 0.5 s a round on the tiny model (docs/benchmarks.md)
+            gc.collect()
+            gc.freeze()
 
 
 def _write(replies: TextIO, reply: RoundReply) -> None:
