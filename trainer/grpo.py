@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.capture.batches import TrainingGroup
-from flywheel.trainer import adapters
+from flywheel.trainer import adapters, model_cache
 from flywheel.trainer.grpo_args import GRPOArgs, RoundResult
 from flywheel.trainer.grpo_cli import parse_command, report
 from flywheel.trainer.sample_plan import CapturedRollout, GroupPlan, passthrough_reward, plan_groups
@@ -206,11 +206,10 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     import torch
     import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started_at = _utcnow()
     base = str(base_model_path)
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer = model_cache.tokenizer(base)  # kept between rounds of this process
 
     # 1. groups -> samples (masks, behaviour logprobs, advantages), then groups of one size for TRL
     batch = build_samples(groups, tokenizer, max_prompt_tokens=args.max_prompt_tokens,
@@ -251,8 +250,10 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     from peft import LoraConfig, PeftModel
     from trl import GRPOConfig
 
-    transformers.set_seed(args.seed)
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16 if bf16 else torch.float32)
+    loaded = model_cache.borrow(base, torch.bfloat16 if bf16 else torch.float32)  # kept from the last round, if any
+    config["derived"]["base_model_cached"] = loaded.cached
+    transformers.set_seed(args.seed)  # after the load: a cold load may draw random numbers, a kept model does not
+    model: Any = loaded.model
     peft_config = None
     if init_adapter is not None:
         model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
@@ -300,6 +301,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
                                         args)
         metrics.update(_padding_metrics(trainer))
         metrics["charts/optimizer_resumed"] = float(optimizer_status == "resumed")
+        metrics["charts/model_load_seconds"] = loaded.seconds
         policy = trainer.accelerator.unwrap_model(trainer.model)
         config["derived"]["optimizer_state"] = optimizer_status
         config["lora"] = _jsonable(policy.peft_config["default"].to_dict())
@@ -325,6 +327,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             finally:
                 adapters.discard(staging)
         trainer.accelerator.wait_for_everyone()
+        model_cache.give_back(policy)  # unwrapped, for the next round of this process
     if args.progress:
         _print_summary(result)
     return result

@@ -125,12 +125,17 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
                            ] = False,
           set_: Annotated[list[str] | None, typer.Option(
               "--set", help="A GRPOArgs field for this round, e.g. --set max_steps=8 (repeatable).")] = None,
+          stdio: Annotated[bool, typer.Option(
+              "--stdio", help="Stay up and run the rounds asked on stdin, one JSON line each way (the loop's "
+                              "training child, docs/loop.md).")] = False,
           ) -> None:
     """Run one GRPO round on the alias's scored groups and write adapter version N (a candidate for the gate).
 
     Example: flywheel train --alias my-agent --max-groups 32 --promote
     """
-    from flywheel.gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round
+    import time
+
+    from flywheel.gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round, summarize
 
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings
@@ -145,11 +150,19 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     where: Where
     if workdir is not None and location.url is None:
         fail("--workdir uploads to a running gateway: give --gateway URL")
+    if stdio and location.url is None:
+        fail("--stdio takes rounds for a running gateway: give --gateway URL")
     if location.url is not None:
         where = AdminApi(location.url, location.admin_key, workdir=workdir)
+        if stdio:
+            from flywheel.gateway.training import warm
+
+            warm.serve(where, alias)
+            return
     else:
         store = open_store(location.database or settings.database)
         where = StoreFile(store, settings)
+    started = time.perf_counter()
     try:
         outcome = run_round(where, alias, max_groups=max_groups, overrides=overrides, promote=promote,
                             group_ids=[g for g in group_ids.split(",") if g] if group_ids else None,
@@ -164,12 +177,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
     else:
         typer.echo(describe_round(outcome, promote))
     if json_:
-        import json
-
-        result = outcome.result
-        typer.echo(json.dumps({"status": outcome.status, "version": outcome.version, "groups": outcome.groups,
-                               "adapter_path": str(result.adapter_dir) if result and result.adapter_dir else None,
-                               "metrics": result.metrics if result else {}}))
+        typer.echo(summarize(outcome, time.perf_counter() - started).model_dump_json())
 
 
 def describe_round(outcome: RoundOutcome, promote: bool) -> str:

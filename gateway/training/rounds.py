@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import httpx
 
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.training_wire import RoundSummary
 
 
 class RoundError(RuntimeError):
@@ -246,6 +247,17 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
               "promote": promote, "result": reported, "batch_group_ids": batch_ids}
     where.record(report)
     return RoundOutcome(result.status, version, result, len(groups))
+
+
+def summarize(outcome: RoundOutcome, round_s: float) -> RoundSummary:
+    """The round's report: what ``flywheel train --json`` prints and the loop's warm child answers."""
+    result = outcome.result
+    metrics: dict[str, float] = result.metrics if result else {}
+    cached = result.config.get("derived", {}).get("base_model_cached") if result else None
+    return RoundSummary(status=outcome.status, version=outcome.version, groups=outcome.groups,
+                        adapter_path=str(result.adapter_dir) if result and result.adapter_dir else None,
+                        metrics=metrics, round_s=round_s, train_s=metrics.get("charts/train_seconds"),
+                        model_load_s=metrics.get("charts/model_load_seconds"), warm=bool(cached))
 
 
 def launched_round(launcher: list[str], base_model: str, groups: list[Any], args: Any, *, init_adapter: str | None,

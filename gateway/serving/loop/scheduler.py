@@ -294,19 +294,21 @@ class Loop:
         result = await self.child.run(alias)
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")
-        if result.returncode != 0:
+        if result.reply is None or result.reply.summary is None:
             busy = (await link.op("serving"))[alias]["training"]
             if busy is not None:  # the child died before it could say so
                 reason = "timed out" if result.timed_out else f"exited with {result.returncode}"
                 await link.op("record_failed_round", alias=alias, version=busy["version"],
                               error=f"the training process {reason}; log {result.log_path}:\n{result.tail}")
-            return Outcome("failed", f"training process exited with {result.returncode} (log {result.log_path})",
-                           {"scored_groups": scored})
-        summary = result.summary or {}
-        if summary.get("status") != "finished":
-            return Outcome("ok", f"nothing trainable in the batch ({summary.get('status')})", {"scored_groups": scored})
-        return Outcome("ok", f"version {summary['version']} trained: a candidate",
-                       {"scored_groups": scored, "version": summary["version"]})
+            why = result.reply.error if result.reply else f"training process exited with {result.returncode}"
+            return Outcome("failed", f"{why} (log {result.log_path})", {"scored_groups": scored})
+        summary = result.reply.summary
+        timing = {"round_s": summary.round_s, "train_s": summary.train_s, "warm": summary.warm}
+        if summary.status != "finished":
+            return Outcome("ok", f"nothing trainable in the batch ({summary.status})",
+                           {"scored_groups": scored, **timing})
+        return Outcome("ok", f"version {summary.version} trained: a candidate",
+                       {"scored_groups": scored, "version": summary.version, **timing})
 
     async def gate(self, alias: str | None) -> Outcome:
         assert alias is not None

@@ -1,53 +1,60 @@
-"""The loop's training round runs in a child process: ``python -m flywheel.gateway train --gateway URL``.
+"""The loop's training rounds run in a warm child process: ``python -m flywheel.gateway train --gateway URL --stdio``.
 
-The same path a person runs by hand, so the serving process never holds torch's training memory.
-The child runs at a lower CPU priority (``[loop] train_nice``) with its torch threads capped
-(``train_threads``), so serving keeps the cores it needs; it talks to this gateway's admin API
-(the admin key, if any, goes by environment, never on the command line where ``ps`` shows it).
-Its output goes to ``<data_dir>/logs/``. A child that outlives ``train_timeout_s`` is killed.
+The same command a person runs by hand, kept up: one child per alias, started by its first round, takes each
+round as a :class:`RoundRequest` line on its stdin and answers a :class:`RoundReply` line on its stdout
+(``core/training_wire.py``), so torch's imports and the base model's load are paid once, not every round, and the
+serving process still never holds torch's training memory. The child runs at a lower CPU priority
+(``[loop] train_nice``) with its torch threads capped (``train_threads``), so serving keeps the cores it needs;
+it talks to this gateway's admin API (the admin key, if any, goes by environment, never on the command line where
+``ps`` shows it). Its output goes to ``<data_dir>/logs/``. A child that dies is started again by the next round;
+one whose round outlives ``train_timeout_s`` is killed, and so is every child when the gateway stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from pydantic import ValidationError
 
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.training_wire import RoundReply, RoundRequest
 
 
 @dataclass
 class ChildResult:
-    returncode: int
+    returncode: int  # 0: the round answered ok; 1: it answered an error; else the child's exit status
     log_path: Path
-    tail: str  # the end of its output, for the failure record
+    tail: str  # the end of its log, for the failure record
     timed_out: bool
-    summary: dict[str, Any] | None  # the round's own report (``flywheel train --json``), when it got that far
+    reply: RoundReply | None  # None when the child died or timed out before it answered
+    wall_s: float  # from the request to the reply (or the child's end), as this process saw it
+
+
+@dataclass
+class _Child:
+    process: asyncio.subprocess.Process
+    log_path: Path
 
 
 class TrainingChild:
-    """Starts, waits for and, on shutdown or timeout, stops one training child at a time per alias."""
+    """Starts, asks, and on shutdown or timeout stops the warm training child of each alias; one round at a time."""
 
     def __init__(self, settings: Settings, gateway_url: str) -> None:
         self.settings = settings
         self.gateway_url = gateway_url
-        self.running: dict[str, asyncio.subprocess.Process] = {}
+        self.running: dict[str, _Child] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
-    def command(self, alias: str, group_ids: list[str] | None = None, overrides: list[str] | None = None) -> list[str]:
-        loop = self.settings.loop
+    def command(self, alias: str) -> list[str]:
         command = [sys.executable, "-m", "flywheel.gateway",
-                   "train", "--alias", alias, "--gateway", self.gateway_url, "--json"]
-        if loop.train_threads:
-            command += ["--threads", str(loop.train_threads)]
-        if group_ids:
-            command += ["--group-ids", ",".join(group_ids)]
-        for override in overrides or []:
-            command += ["--set", override]
+                   "train", "--alias", alias, "--gateway", self.gateway_url, "--stdio"]
+        if self.settings.loop.train_threads:
+            command += ["--threads", str(self.settings.loop.train_threads)]
         return command
 
     def environment(self) -> dict[str, str]:
@@ -60,51 +67,75 @@ class TrainingChild:
             env["FLYWHEEL_ADMIN_KEY"] = admin.get_secret_value()
         return env
 
-    async def run(self, alias: str, group_ids: list[str] | None = None, overrides: list[str] | None = None
-                  ) -> ChildResult:
+    async def run(self, alias: str, group_ids: list[str] | None = None,
+                  overrides: dict[str, object] | None = None) -> ChildResult:
+        """One round of ``alias`` in its child (started now if none is up); its reply, or how the child ended."""
+        lock = self._locks.setdefault(alias, asyncio.Lock())
+        async with lock:
+            child = self.running.get(alias)
+            if child is None or child.process.returncode is not None:
+                child = self.running[alias] = await self._start(alias)
+            request = RoundRequest(alias=alias, group_ids=group_ids, overrides=overrides or {})
+            started = time.perf_counter()
+            line, timed_out = await self._ask(child.process, request)
+            reply = _reply(line)
+            if reply is None:  # dead, too slow, or no reply: stopped; the next round starts a fresh child
+                await self._stop(child.process)
+                self.running.pop(alias, None)
+            returncode = (0 if reply.ok else 1) if reply is not None else \
+                (child.process.returncode if child.process.returncode is not None else -9)
+            tail = child.log_path.read_bytes()[-4000:].decode(errors="replace")
+            return ChildResult(returncode, child.log_path, tail, timed_out, reply, time.perf_counter() - started)
+
+    async def _start(self, alias: str) -> _Child:
         logs = self.settings.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"train-{alias}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         nice = self.settings.loop.train_nice
-        with log_path.open("wb") as out:
+        with log_path.open("ab") as log:
             process = await asyncio.create_subprocess_exec(
-                *self.command(alias, group_ids, overrides), stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env=self.environment(), start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        self.running[alias] = process
-        timed_out = False
+                *self.command(alias), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+                env=self.environment(), start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
+                limit=1 << 24)  # a reply is one line: room for a round's metrics
+        return _Child(process, log_path)
+
+    async def _ask(self, process: asyncio.subprocess.Process, request: RoundRequest) -> tuple[bytes, bool]:
+        """Send the request and read one line back: (the line, b"" when the child ended first; timed out)."""
+        assert process.stdin is not None and process.stdout is not None
         try:
-            await asyncio.wait_for(process.wait(), self.settings.loop.train_timeout_s)
+            process.stdin.write(request.model_dump_json().encode() + b"\n")
+            await process.stdin.drain()
+            return await asyncio.wait_for(process.stdout.readline(), self.settings.loop.train_timeout_s), False
         except TimeoutError:
-            timed_out = True
-            await self._stop(process)
-        finally:
-            self.running.pop(alias, None)
-        tail = log_path.read_bytes()[-4000:].decode(errors="replace")
-        return ChildResult(process.returncode if process.returncode is not None else -9, log_path, tail, timed_out,
-                           _summary(tail))
+            return b"", True
+        except (BrokenPipeError, ConnectionResetError):  # it died before it read the request
+            return b"", False
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self._stop(p) for p in list(self.running.values())))
+        children, self.running = list(self.running.values()), {}
+        await asyncio.gather(*(self._stop(child.process) for child in children))
 
     @staticmethod
     async def _stop(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
-        if process.returncode is not None:
-            return
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), grace_s)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-
-
-def _summary(output: str) -> dict[str, Any] | None:
-    """The last line of the child's output that is a JSON object: its ``--json`` report."""
-    for line in reversed(output.splitlines()):
-        if line.startswith("{"):
+        """Terminates it (a child that ended already is only reaped), and kills it after ``grace_s``."""
+        if process.stdin is not None:
+            process.stdin.close()
+        if process.returncode is None:
             try:
-                parsed = json.loads(line)
-            except ValueError:
-                continue
-            return parsed if isinstance(parsed, dict) else None
-    return None
+                process.terminate()
+                await asyncio.wait_for(process.wait(), grace_s)
+            except ProcessLookupError:  # it ended on its own, not yet reaped
+                pass
+            except TimeoutError:
+                process.kill()
+        await process.wait()
+
+
+def _reply(line: bytes) -> RoundReply | None:
+    """The child's answer; None for an empty line (it ended) or one that is not a reply."""
+    if not line.strip():
+        return None
+    try:
+        return RoundReply.model_validate_json(line)
+    except ValidationError:
+        return None

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 
@@ -196,19 +195,20 @@ async def train_now(alias: str, request: Request) -> Response:
     flight = (await state.store_link.op("serving"))[alias]["in_flight"]
     if flight is not None and flight["status"] == "training":
         raise Conflict(f"{alias} is already training version {flight['version']}")
-    overrides = [f"{key}={json.dumps(value)}" for key, value in body.args.items()]
     async with loop.lock("train", alias):
-        result = await loop.child.run(alias, body.group_ids, overrides)
-    if result.returncode != 0:
-        raise BadRequest(f"the training round failed (log {result.log_path}): {result.tail[-1500:]}",
-                         param="args" if "--set" in result.tail else None, code="training_failed")
-    summary = result.summary or {}
-    finished = summary.get("status") == "finished"
+        result = await loop.child.run(alias, body.group_ids, body.args)
+    if result.reply is None or result.reply.summary is None:
+        why = result.reply.error if result.reply else result.tail[-1500:]
+        raise BadRequest(f"the training round failed (log {result.log_path}): {why}",
+                         param=result.reply.param if result.reply else None, code="training_failed")
+    summary = result.reply.summary
+    finished = summary.status == "finished"
     if finished and body.promote:
+        assert summary.version is not None
         await _end_canary(state, alias)
-        await promote_version(state, alias, summary["version"], reason="trained and promoted through the admin API")
-    return json_response({"status": "finished" if finished else "skipped", "version": summary.get("version"),
-                          "adapter_path": summary.get("adapter_path"), "metrics": summary.get("metrics") or {},
+        await promote_version(state, alias, summary.version, reason="trained and promoted through the admin API")
+    return json_response({"status": "finished" if finished else "skipped", "version": summary.version,
+                          "adapter_path": summary.adapter_path, "metrics": summary.metrics,
                           "promoted": finished and body.promote})
 
 

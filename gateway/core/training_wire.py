@@ -1,0 +1,42 @@
+"""What the serving process and its warm training child say to each other: one JSON line each way per round.
+
+The child (``flywheel train --alias A --gateway URL --stdio``, started by ``serving/loop/training_child.py``)
+reads a :class:`RoundRequest` line on its stdin, runs the round (``training/rounds.py``) and writes one
+:class:`RoundReply` line on its stdout; everything else it prints goes to its log. :class:`RoundSummary` is
+also what ``flywheel train --json`` prints last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RoundRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    alias: str
+    group_ids: list[str] | None = None  # train on these scored groups only (None: the batch the gateway picks)
+    overrides: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields for this round
+
+
+class RoundSummary(BaseModel):
+    """A round's report, from the process that trained it."""
+
+    status: str  # "finished" | "skipped" (nothing trainable) | "nothing" (no scored group waited)
+    version: int | None
+    groups: int
+    adapter_path: str | None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    round_s: float  # the whole round: batch, reserve, train_round, publish, record
+    train_s: float | None = None  # trainer.train() alone (TRL's train_runtime); None when nothing trained
+    model_load_s: float | None = None  # loading the base model; 0 when kept from this process's last round
+    warm: bool = False  # the base model was kept from this process's last round
+
+
+class RoundReply(BaseModel):
+    ok: bool
+    summary: RoundSummary | None = None  # when ok
+    error: str | None = None  # when not: why, in one line (the traceback is in the child's log)
+    param: str | None = None  # "args" when the overrides named no GRPOArgs field
