@@ -1,13 +1,15 @@
-"""The loop's incremental group formation: a watermark never loses a trajectory, and finds what a full pass finds."""
+"""The loop's incremental jobs: group formation and reward per version from a watermark never lose a trajectory,
+and find what a full pass finds."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import pytest
 from sqlmodel import select
 
-from flywheel.capture.models import Group, GroupMember, Trajectory, Turn, utcnow
+from flywheel.capture.models import Feedback, Group, GroupMember, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.storeproc import store_ops
@@ -81,3 +83,53 @@ def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Pat
         assert sum(len(m) for m in by_runs.values()) >= 20
     finally:
         full.close()
+
+
+def rewarded(store: Store, trajectory_id: str, version: int, *, feedback: float | None = None,
+             score: float | None = None) -> None:
+    """A closed one-turn trajectory served by ``version``, with a client's feedback and/or a scoring job's reward."""
+    now = utcnow()
+    with store.session() as session:
+        if session.get(Trajectory, trajectory_id) is None:
+            session.add(Trajectory(id=trajectory_id, alias="a", status="closed", task_key="t", created_at=now,
+                                   updated_at=now, closed_at=now, close_reason="idle", turn_count=1,
+                                   latest_turn_id=f"turn_{trajectory_id}"))
+            session.add(Turn(id=f"turn_{trajectory_id}", trajectory_id=trajectory_id,
+                             completion_id=f"c_{trajectory_id}", requested_model="a", alias="a", engine_model="m",
+                             h_ctx="x", h_out="o", task_key="t", adapter_version=version, created_at=now))
+        if feedback is not None:
+            session.add(Feedback(id=f"f_{trajectory_id}_{feedback}", trajectory_id=trajectory_id, reward=feedback,
+                                 created_at=now))
+        if score is not None:
+            session.add(Score(id=f"s_{trajectory_id}_{score}", trajectory_id=trajectory_id, source="reward",
+                              value=score, created_at=now))
+        session.commit()
+
+
+def from_scratch(store: Store) -> dict[str, object]:
+    """What ``reward_by_version`` answers after a full pass."""
+    store_ops.VERSION_REWARDS.pop(store, None)
+    return store_ops.reward_by_version(store, SETTINGS, "a")
+
+
+def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Store) -> None:
+    """Feedback, a later judge's score overriding it, a second feedback, new trajectories: after each write the
+    running sums answer what a recomputation from every stored trajectory answers."""
+    writes = [("t1", 0, 0.2, None), ("t2", 0, 0.6, None), ("t3", 1, None, 0.9), ("t1", 0, None, 1.0),
+              ("t4", 1, 0.1, None), ("t4", 1, 0.5, None), ("t5", 2, 0.3, 0.7), ("t2", 0, None, 0.0)]
+    kept = None
+    for trajectory_id, version, feedback, score in writes:
+        rewarded(store, trajectory_id, version, feedback=feedback, score=score)
+        if kept is not None:
+            store_ops.VERSION_REWARDS[store] = kept
+        answer = store_ops.reward_by_version(store, SETTINGS, "a")
+        kept = store_ops.VERSION_REWARDS[store]
+        assert kept[("a", False)].mark.since() is not None  # answered from the watermark after the first
+        expected = from_scratch(store)
+        assert answer["mixed"] == expected["mixed"]
+        assert answer["versions"].keys() == expected["versions"].keys()
+        for version, cell in expected["versions"].items():
+            assert answer["versions"][version] == pytest.approx(cell), version
+    final = from_scratch(store)["versions"]
+    assert {v: c["n"] for v, c in final.items()} == {"0": 2, "1": 2, "2": 1}
+    assert final["0"]["mean"] == pytest.approx(0.5) and final["1"]["mean"] == pytest.approx(0.7)

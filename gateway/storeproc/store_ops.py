@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import statistics
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -318,36 +317,47 @@ def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> 
 
 def trajectory_rewards(session: Session, alias: str, *, since: datetime | None = None,
                        until: datetime | None = None, versions_in: list[int] | None = None,
-                       judge_only: bool = False) -> tuple[list[dict[str, Any]], int]:
+                       judge_only: bool = False, ids: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Closed trajectories of ``alias`` with a reward, in the order they closed, and how many were mixed.
 
     A trajectory's version is the adapter version of its first turn (the canary keeps a conversation
     on one version; one that changed version midway is counted as mixed and left out). Its reward is
     the final reward of the scoring job when there is one, else its latest feedback (unless the
-    reward policy is ``judge_only``).
+    reward policy is ``judge_only``). ``ids``: only these trajectories.
     """
+    out, mixed = _rewarded(session, alias, since=since, until=until, versions_in=versions_in, judge_only=judge_only,
+                           ids=ids)
+    return out, len(mixed)
+
+
+def _rewarded(session: Session, alias: str, *, since: datetime | None = None, until: datetime | None = None,
+              versions_in: list[int] | None = None, judge_only: bool = False,
+              ids: list[str] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
+    """``trajectory_rewards``, with the ids of the mixed trajectories rather than their count."""
     conditions: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
                                              col(Trajectory.close_reason) != "fork", col(Turn.source) != "fork"]
     if since is not None:
         conditions.append(col(Trajectory.created_at) >= since)
     if until is not None:
         conditions.append(col(Trajectory.created_at) < until)
+    if ids is not None:
+        conditions.append(col(Trajectory.id).in_(ids))
     query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
              .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
              .where(*conditions).group_by(col(Trajectory.id), col(Trajectory.closed_at)))
     rows = session.exec(query).all()
-    mixed = 0
+    mixed: set[str] = set()
     by_id: dict[str, dict[str, Any]] = {}
     for trajectory_id, closed_at, low, high in rows:
         if low != high:
-            mixed += 1
+            mixed.add(trajectory_id)
             continue
         if versions_in is None or low in versions_in:
             by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
-    ids = list(by_id)
+    chosen = list(by_id)
     rewards: dict[str, float] = {}
-    for start in range(0, len(ids), 500):
-        chunk = ids[start:start + 500]
+    for start in range(0, len(chosen), 500):
+        chunk = chosen[start:start + 500]
         if not judge_only:
             for feedback in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(chunk))
                                          .order_by(col(Feedback.created_at))):
@@ -359,7 +369,7 @@ def trajectory_rewards(session: Session, alias: str, *, since: datetime | None =
                                                           Score.source == "reward")
                                       .order_by(col(Score.created_at))):
             rewards[score_row.trajectory_id] = score_row.value  # the scoring job's final word wins
-    out = [{**by_id[i], "reward": rewards[i]} for i in ids if i in rewards and math.isfinite(rewards[i])]
+    out = [{**by_id[i], "reward": rewards[i]} for i in chosen if i in rewards and math.isfinite(rewards[i])]
     out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
     for row in out:
         row["closed_at"] = row["closed_at"].isoformat() if row["closed_at"] else None
@@ -448,25 +458,97 @@ def fork_units(session: Session, alias: str, since: datetime | None, versions_in
     return list(first.values())
 
 
+@dataclass
+class VersionRewards:
+    """Per-version reward sums of one alias, kept up to date from what changed (docs/loop.md, "Incremental jobs")."""
+
+    mark: Watermark = field(default_factory=Watermark)
+    reward_of: dict[str, tuple[int, float]] = field(default_factory=dict)  # trajectory -> (version, reward)
+    mixed: set[str] = field(default_factory=set)
+    sums: dict[int, list[float]] = field(default_factory=dict)  # version -> [n, sum, sum of squares]
+
+    def drop(self, trajectory_id: str) -> None:
+        self.mixed.discard(trajectory_id)
+        if (old := self.reward_of.pop(trajectory_id, None)) is not None:
+            version, reward = old
+            n_sum_sq = self.sums[version]
+            n_sum_sq[0] -= 1
+            n_sum_sq[1] -= reward
+            n_sum_sq[2] -= reward * reward
+            if n_sum_sq[0] == 0:
+                del self.sums[version]
+
+    def add(self, trajectory_id: str, version: int, reward: float) -> None:
+        self.reward_of[trajectory_id] = (version, reward)
+        n_sum_sq = self.sums.setdefault(version, [0, 0.0, 0.0])
+        n_sum_sq[0] += 1
+        n_sum_sq[1] += reward
+        n_sum_sq[2] += reward * reward
+
+
+VERSION_REWARDS: weakref.WeakKeyDictionary[Store, dict[tuple[str, bool], VersionRewards]] = \
+    weakref.WeakKeyDictionary()
+
+
+def forget_rewards(store: Store) -> None:
+    """After a deletion: the next ``reward_by_version`` recomputes (a deleted trajectory leaves no watermark)."""
+    VERSION_REWARDS.pop(store, None)
+
+
+def changed_trajectories(session: Session, alias: str, since: datetime, judge_only: bool) -> list[str]:
+    """Trajectories of ``alias`` closed, given feedback or scored since ``since``: whose reward may have changed."""
+    ids = set(session.exec(select(Trajectory.id).where(Trajectory.alias == alias,
+                                                       col(Trajectory.closed_at) >= since)).all())
+    if not judge_only:
+        ids.update(session.exec(select(Feedback.trajectory_id).where(col(Feedback.created_at) >= since)).all())
+    ids.update(session.exec(select(Score.trajectory_id).where(Score.source == "reward",
+                                                              col(Score.created_at) >= since)).all())
+    return sorted(ids)
+
+
 @op("reward_by_version")
 def reward_by_version(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
-    """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory."""
+    """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory.
+
+    Incremental: sums per version kept in the store process, updated from the trajectories whose reward
+    may have changed since a little before the last call; everything again every ``FULL_PASS_S``."""
+    judge_only = settings.rewards.policy == "judge_only"
+    kept = VERSION_REWARDS.setdefault(store, {}).setdefault((alias, judge_only), VersionRewards())
+    started, since = utcnow(), kept.mark.since()
     with store.session() as session:
-        rows, mixed = trajectory_rewards(session, alias, judge_only=settings.rewards.policy == "judge_only")
-    by_version: dict[int, list[float]] = {}
+        if since is None:
+            rows, mixed = _rewarded(session, alias, judge_only=judge_only)
+            kept.reward_of.clear()
+            kept.sums.clear()
+            kept.mixed = mixed
+        else:
+            changed = changed_trajectories(session, alias, since, judge_only)
+            rows, mixed = [], set()
+            for start in range(0, len(changed), 500):
+                chunk_rows, chunk_mixed = _rewarded(session, alias, judge_only=judge_only,
+                                                    ids=changed[start:start + 500])
+                rows += chunk_rows
+                mixed |= chunk_mixed
+            for trajectory_id in changed:
+                kept.drop(trajectory_id)
+            kept.mixed |= mixed
     for row in rows:
-        by_version.setdefault(row["version"], []).append(row["reward"])
-    return {"versions": {str(v): summarize(values) for v, values in sorted(by_version.items())}, "mixed": mixed}
+        kept.add(row["trajectory_id"], row["version"], row["reward"])
+    kept.mark.ran(started, since)
+    return {"versions": {str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)}, "mixed": len(kept.mixed)}
 
 
-def summarize(values: list[float]) -> dict[str, float | int]:
-    n = len(values)
-    mean = statistics.fmean(values) if values else math.nan
-    half = 1.96 * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf
-    out: dict[str, float | int] = {"n": n, "mean": mean}
+def summarize_sums(n: float, total: float, squares: float) -> dict[str, float | int]:
+    """Mean, n and a 95% interval (normal approximation) from a count, a sum and a sum of squares."""
+    count = int(n)
+    mean = total / count if count else math.nan
+    variance = max(0.0, (squares - total * total / count) / (count - 1)) if count > 1 else math.inf
+    half = 1.96 * math.sqrt(variance / count) if count > 1 else math.inf
+    out: dict[str, float | int] = {"n": count, "mean": mean}
     if math.isfinite(half):
         out |= {"low": mean - half, "high": mean + half}
     return out
+
 
 
 # -- the offline gate's contexts ----------------------------------------------------------------------------

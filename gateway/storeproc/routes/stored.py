@@ -28,6 +28,7 @@ from flywheel.gateway.core.errors import BadRequest
 from flywheel.gateway.core.http import json_response, read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object
+from flywheel.gateway.storeproc import store_ops
 from flywheel.gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
 from flywheel.gateway.storeproc.store_state import StoreState
 
@@ -106,6 +107,7 @@ async def delete_chat_completion(completion_id: str, request: Request) -> Respon
     store, owner = await _caller(request)
     if not await run_query(queries.delete_completion, store, completion_id, owner):
         raise not_found("chat completion", completion_id)
+    store_ops.forget_rewards(store)
     return json_response({"object": "chat.completion.deleted", "id": completion_id, "deleted": True})
 
 

@@ -32,6 +32,7 @@ from flywheel.gateway.core.errors import BadRequest
 from flywheel.gateway.core.http import json_response, read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object
+from flywheel.gateway.storeproc import store_ops
 from flywheel.gateway.storeproc.routes.helpers import caught_up_store, not_found, query_error, run_query
 from flywheel.gateway.storeproc.store_state import StoreState
 
@@ -101,6 +102,7 @@ async def delete_client_trajectories(request: Request) -> Response:
         raise BadRequest("Missing required parameter: 'client_key_id' (deleting every trajectory is not offered).",
                          param="client_key_id", code="missing_required_parameter")
     counts = await run_query(queries.delete_client_data, store, client_key_id)
+    store_ops.forget_rewards(store)
     return json_response({"object": "client_key.deleted", "client_key_id": client_key_id, "deleted": True,
                   "rows": counts.to_json()})
 
@@ -157,5 +159,6 @@ async def delete_trajectory(trajectory_id: str, request: Request) -> Response:
     counts = await run_query(queries.delete_trajectory, store, trajectory_id)
     if counts is None:
         raise not_found("trajectory", trajectory_id)
+    store_ops.forget_rewards(store)
     return json_response({"object": "trajectory.deleted", "id": trajectory_id, "deleted": True,
                           "rows": counts.to_json()})
