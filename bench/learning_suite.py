@@ -41,7 +41,7 @@ from rich.console import Console
 
 from bench.learning_tasks import TASKS
 from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG, canary_decision, final_comparison, plot_rewards
-from flywheel.gateway.core.processes import free_port, wait_until_answering
+from flywheel.gateway.core.processes import free_port, stop, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("repeated", "unique")
@@ -162,11 +162,7 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
         versions = httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/versions", timeout=30).json()["data"]
         rewards = httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/rewards", timeout=60).json()["rewards"]
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        stop(gateway)
         judge.terminate()  # after the gateway: a scoring run in progress still reaches it
     serving = status["serving"]["version"]
     plot_rewards(rewards, versions, run_dir / "reward.png")

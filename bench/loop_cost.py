@@ -52,7 +52,7 @@ from sqlalchemy import text
 
 from bench.soak import SYSTEM, TOOLS, _plain, _store_process
 from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG
-from flywheel.gateway.core.processes import NotAnswering, free_ports, wait_until_answering
+from flywheel.gateway.core.processes import NotAnswering, free_ports, stop, wait_until_answering
 
 CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Quito", "Accra", "Perth", "Turin", "Hanoi", "Cusco")
 GROUP = 4  # the demo's group size: each request this many times in a row (forks: the turn and 3 siblings)
@@ -305,11 +305,7 @@ async def measure(args: Args, template: Path, workdir: Path, ports: tuple[int, i
                 "serving_ms": (end[2] - start[2]) * 1e3 / max(1, episodes),
                 "store_cores": (end[1] - start[1]) / (end[0] - start[0])}
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        stop(gateway)
 
 
 async def run(args: Args) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from flywheel.gateway.cli.common import fail
-from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.core.processes import NotAnswering, free_port, stop, wait_until_answering
 
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
@@ -171,11 +171,7 @@ def demo(data_dir: Annotated[Path, typer.Option(help="Where models, the demo's s
             live.update(_render(board))
         summary = _finish(url, board, demo_dir)
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        stop(gateway)
     _report(Console(highlight=False), summary, demo_dir)
 
 

@@ -39,6 +39,15 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def stop(process: subprocess.Popen[Any], grace_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL if ``process`` has not exited within ``grace_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def wait_until_answering(url: str, process: subprocess.Popen[Any] | None = None, *, timeout_s: float,
                          require_ok: bool = False, path: str = "/healthz") -> None:
     """Poll ``url + path`` until the server answers: with any status (a 503 from /healthz only says an
