@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlmodel import select
@@ -41,24 +42,24 @@ def groups_of(store: Store) -> dict[str, set[str]]:
 
 def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(store: Store) -> None:
     closed(store, "t1", "task-x", utcnow())
-    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # the first run: a full pass
+    assert store_ops.run_group_formation(store, SETTINGS) == []  # the first run: a full pass
     mark = store_ops.FORMATION_MARKS[store]
     assert mark.started is not None and mark.since() is not None  # the next run is incremental
     # Written concurrently with that run: it closed before the run started, its transaction committed after.
     closed(store, "t2", "task-x", mark.started - timedelta(seconds=1))
-    formed = store_ops.run_group_formation(store, SETTINGS)["formed"]
-    assert [g["key"] for g in formed] == ["task-x"]
+    formed = store_ops.run_group_formation(store, SETTINGS)
+    assert [g.key for g in formed] == ["task-x"]
     assert groups_of(store) == {"task-x": {"t1", "t2"}}
 
 
 def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None:
-    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []
+    assert store_ops.run_group_formation(store, SETTINGS) == []
     long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
     closed(store, "t1", "task-y", long_ago)
     closed(store, "t2", "task-y", long_ago + timedelta(seconds=1))
-    assert store_ops.run_group_formation(store, SETTINGS)["formed"] == []  # incremental: not seen
+    assert store_ops.run_group_formation(store, SETTINGS) == []  # incremental: not seen
     store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
-    assert [g["key"] for g in store_ops.run_group_formation(store, SETTINGS)["formed"]] == ["task-y"]
+    assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-y"]
     assert store_ops.FORMATION_MARKS[store].since() is not None
 
 
@@ -106,10 +107,10 @@ def rewarded(store: Store, trajectory_id: str, version: int, *, feedback: float 
         session.commit()
 
 
-def from_scratch(store: Store) -> dict[str, object]:
+def from_scratch(store: Store) -> dict[str, Any]:
     """What ``reward_by_version`` answers after a full pass."""
     store_ops.VERSION_REWARDS.pop(store, None)
-    return store_ops.reward_by_version(store, SETTINGS, "a")
+    return store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
 
 
 def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Store) -> None:
@@ -122,7 +123,7 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
         rewarded(store, trajectory_id, version, feedback=feedback, score=score)
         if kept is not None:
             store_ops.VERSION_REWARDS[store] = kept
-        answer = store_ops.reward_by_version(store, SETTINGS, "a")
+        answer = store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
         kept = store_ops.VERSION_REWARDS[store]
         assert kept[("a", False)].mark.since() is not None  # answered from the watermark after the first
         expected = from_scratch(store)

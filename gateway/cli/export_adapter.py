@@ -100,8 +100,8 @@ def _version_rows(location: Location, alias: str) -> tuple[list[dict[str, Any]],
 
     store = open_store(location.database or location.settings.database)
     try:
-        return (store_ops.list_versions(store, location.settings, alias),
-                store_ops.reward_by_version(store, location.settings, alias))
+        return ([row.model_dump(mode="json") for row in store_ops.list_versions(store, location.settings, alias)],
+                store_ops.reward_by_version(store, location.settings, alias).model_dump(exclude_none=True))
     finally:
         store.close()
 

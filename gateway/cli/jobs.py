@@ -49,7 +49,7 @@ def groups(config: ConfigOption = None, gateway: GatewayOption = None, admin_key
     else:
         store = open_store(location.database or location.settings.database)
         try:
-            formed = run_group_formation(store, location.settings)["formed"]
+            formed = [group.model_dump() for group in run_group_formation(store, location.settings)]
         finally:
             store.close()
     by_source: dict[str, int] = {}

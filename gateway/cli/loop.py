@@ -66,6 +66,8 @@ def _reward(cell: dict[str, Any] | None) -> str:
 
 def _offline_status(location: Location) -> dict[str, Any]:
     """``/flywheel/v1/status`` computed on the store file: what a stopped gateway would report."""
+    from pydantic_core import to_jsonable_python
+
     from flywheel.gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS
     from flywheel.gateway.storeproc import store_ops
 
@@ -76,13 +78,14 @@ def _offline_status(location: Location) -> dict[str, Any]:
         for alias in settings.aliases:
             rows = store_ops.serving(store, settings)[alias]
             last = store_ops.last_runs(store, settings, alias=alias, jobs=[*GLOBAL_JOBS, *ALIAS_JOBS])
-            out.append({"alias": alias, "serving": {"version": (rows["serving"] or {}).get("version", 0),
-                                                    "row": rows["serving"]},
-                        "candidate": rows["in_flight"], "canary": None, "monitor": None,
+            out.append({"alias": alias, "serving": {"version": rows.serving.version if rows.serving else 0,
+                                                    "row": rows.serving},
+                        "candidate": rows.in_flight, "canary": None, "monitor": None,
                         "pending": store_ops.pending(store, settings, alias), "jobs": last,
-                        "reward_by_version": store_ops.reward_by_version(store, settings, alias),
+                        "reward_by_version": store_ops.reward_by_version(store, settings, alias)
+                        .model_dump(exclude_none=True),
                         "loop": {"enabled": False, "note": "no gateway is running"}})
-        return {"aliases": out}
+        return {"aliases": to_jsonable_python(out)}
     finally:
         store.close()
 
@@ -160,7 +163,7 @@ def versions(config: ConfigOption = None, gateway: GatewayOption = None, admin_k
 
         store = open_store(location.database or location.settings.database)
         try:
-            rows = store_ops.list_versions(store, location.settings, name)
+            rows = [row.model_dump(mode="json") for row in store_ops.list_versions(store, location.settings, name)]
         finally:
             store.close()
     if json_:

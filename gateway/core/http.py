@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from pydantic_core import to_jsonable_python
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -12,7 +13,9 @@ from flywheel.gateway.core.errors import PayloadTooLarge
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+    """``body`` as JSON; the store interface's models (``core/store_api.py``) in it as pydantic dumps them."""
+    return Response(orjson.dumps(body, default=to_jsonable_python), status_code=status_code,
+                    media_type="application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

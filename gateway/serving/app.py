@@ -40,6 +40,7 @@ from flywheel.gateway.serving.routes import admin, completions, loop_admin
 from flywheel.gateway.serving.routes import training_api as training
 from flywheel.gateway.serving.routing import ModelRouter
 from flywheel.gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.store_client import StoreClient
 from flywheel.gateway.serving.store_link import StoreLink
 from flywheel.gateway.serving.ui.routes import install as install_dashboard
 from flywheel.gateway.storeproc.routes import STORE_ROUTERS
@@ -95,6 +96,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
     router = ModelRouter(settings.routing, served, retire_after_s=retire_after_s(settings))
     state = GatewayState(settings=settings, engines=engines, router=router,
                          auth=Authenticator.from_config(settings.auth), store_link=store_link,
+                         store=StoreClient(store_link),
                          started_at=int(time.time()))
     await restore_serving(state)  # what the store says serves each alias (a restart never undoes a promotion)
     state.metrics.watch_capture(store_link.capture_counts)
@@ -105,7 +107,7 @@ def build_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await start_gateway(settings)
-        observability = Observability.start(settings, state.store_link.op)  # traces, tracking: off by default
+        observability = Observability.start(settings, state.store)  # traces, tracking: off by default
         state.metrics.registry.register(observability.collector())
         loop = Loop(state, local_url(settings), observability)
         await loop.start()

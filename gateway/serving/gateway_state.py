@@ -14,6 +14,7 @@ from starlette.requests import Request
 from flywheel.gateway.core.auth import Authenticator
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.metrics import GatewayMetrics
+from flywheel.gateway.core.store_api import StoreApi
 from flywheel.gateway.serving.engines.base import Engine
 from flywheel.gateway.serving.routing import ModelRouter
 from flywheel.gateway.serving.store_link import StoreLink
@@ -21,13 +22,14 @@ from flywheel.gateway.serving.store_link import StoreLink
 
 @dataclass
 class GatewayState:
-    """Settings, engines, router, auth, metrics and the link to the store process."""
+    """Settings, engines, router, auth, metrics, the link to the store process and the store interface over it."""
 
     settings: Settings
     engines: dict[str, Engine]
     router: ModelRouter
     auth: Authenticator
     store_link: StoreLink
+    store: StoreApi
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started_at: int = 0
 

@@ -320,10 +320,6 @@ class StoreLink:
             raise _error_from(response.status, body)
         return orjson.loads(body)
 
-    async def op(self, name: str, **kwargs: Any) -> Any:
-        """Run one of the loop's store operations (``gateway/storeproc/store_ops.py``) in the store process."""
-        return await self.call("POST", f"/internal/ops/{name}", json=kwargs)
-
     async def forward(self, request: Request, body: bytes) -> Response:
         """Send a client's request (its ``body`` already read) to the store process as it came; stream the
         answer back."""

@@ -1,8 +1,8 @@
-"""The dashboard's reads (``gateway/serving/ui``), registered beside the loop's store operations (same registry).
+"""The dashboard's reads (``gateway/serving/ui``): the ``ui_*`` methods of the store interface (``core/store_api.py``).
 
-They run in the store process like every store operation (the serving process never opens the
+They run in the store process like every store method (the serving process never opens the
 store). Arguments arrive validated by the page that asks; what the store alone can refuse (an
-unknown ``after`` cursor) comes back as ``{"error": {"message", "param"}}``.
+unknown ``after`` cursor) is a :class:`BadRequest` naming the parameter.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from flywheel.capture.models import GroupMember, JobRun, Score, Trajectory, Turn
 from flywheel.capture.queries import QueryError, TrajectoryFilter, iso
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
-from flywheel.gateway.storeproc.store_ops import op
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.core.store_api import JobRunRecord, TrafficBucket
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,13 @@ def group_json(group: GroupRow) -> dict[str, Any]:
             "size": group.size, "created_at": iso(group.created_at), "closed_at": iso(group.closed_at)}
 
 
-@op("ui_trajectories")
 def trajectories(store: Store, settings: Settings, filters: dict[str, Any], limit: int = 50,
                  after: str | None = None) -> dict[str, Any]:
     """One page of trajectories, newest first, each with the versions that served it."""
     try:
         page = queries.list_trajectories(store, DashboardFilter.of(filters), limit=limit, after=after, order="desc")
     except QueryError as exc:
-        return {"error": {"message": str(exc), "param": exc.param}}
+        raise BadRequest(str(exc), param=exc.param) from None
     ids = [row["id"] for row in page.data]
     with store.session() as session:
         served = session.exec(select(Turn.trajectory_id, Turn.adapter_version).distinct()
@@ -85,7 +85,6 @@ def trajectories(store: Store, settings: Settings, filters: dict[str, Any], limi
     return page.to_json()
 
 
-@op("ui_trajectory")
 def trajectory(store: Store, settings: Settings, trajectory_id: str) -> dict[str, Any] | None:
     """The trajectory as the admin API shows it, plus the groups it belongs to."""
     detail = queries.trajectory_detail(store, trajectory_id)
@@ -98,7 +97,6 @@ def trajectory(store: Store, settings: Settings, trajectory_id: str) -> dict[str
     return detail
 
 
-@op("ui_groups")
 def groups(store: Store, settings: Settings, alias: str | None = None, status: str | None = None,
            limit: int = 100) -> list[dict[str, Any]]:
     """Groups, newest first."""
@@ -111,7 +109,6 @@ def groups(store: Store, settings: Settings, alias: str | None = None, status: s
         return [group_json(group) for group in session.exec(query)]
 
 
-@op("ui_group")
 def group(store: Store, settings: Settings, group_id: str) -> dict[str, Any] | None:
     """A group with each member trajectory (turns, branches, scores) and the scores it got in this group."""
     with store.session() as session:
@@ -130,8 +127,7 @@ def group(store: Store, settings: Settings, group_id: str) -> dict[str, Any] | N
     return out
 
 
-@op("ui_traffic")
-def traffic(store: Store, settings: Settings, alias: str, since: str, bucket_s: int) -> list[dict[str, int]]:
+def traffic(store: Store, settings: Settings, alias: str, since: datetime, bucket_s: int) -> list[TrafficBucket]:
     """Turns the clients were answered with, per time bucket (``bucket_s`` wide) and version, since ``since``."""
     # A literal (of an int), not a parameter: SELECT and GROUP BY must be the same expression.
     width: ColumnElement[int] = literal_column(str(int(bucket_s)))
@@ -139,16 +135,15 @@ def traffic(store: Store, settings: Settings, alias: str, since: str, bucket_s: 
     with store.session() as session:
         rows = session.exec(select(bucket, Turn.adapter_version, func.count())
                             .where(Turn.alias == alias, col(Turn.source) != "fork",
-                                   col(Turn.created_at) >= datetime.fromisoformat(since))
+                                   col(Turn.created_at) >= since)
                             .group_by(bucket, col(Turn.adapter_version))).all()
-    return [{"start": int(b) * int(bucket_s), "version": int(v), "turns": int(n)} for b, v, n in rows]
+    return [TrafficBucket(start=int(b) * int(bucket_s), version=int(v), turns=int(n)) for b, v, n in rows]
 
 
-@op("ui_failed_jobs")
-def failed_jobs(store: Store, settings: Settings, alias: str, limit: int = 10) -> list[dict[str, Any]]:
+def failed_jobs(store: Store, settings: Settings, alias: str, limit: int = 10) -> list[JobRunRecord]:
     """The latest failed or interrupted job runs of an alias (and of the jobs over all aliases)."""
     query = (select(JobRun).where(col(JobRun.status).in_(["failed", "interrupted"]),
                                   (col(JobRun.alias) == alias) | col(JobRun.alias).is_(None))
              .order_by(col(JobRun.started_at).desc()).limit(limit))
     with store.session() as session:
-        return [run.model_dump(mode="json") for run in session.exec(query)]
+        return [JobRunRecord.model_validate(run) for run in session.exec(query)]

@@ -40,18 +40,17 @@ from flywheel.capture.store import Store, printable_url
 from flywheel.gateway.core.auth import Authenticator
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.error_handlers import install_error_handlers
-from flywheel.gateway.core.errors import BadRequest, NotFound
+from flywheel.gateway.core.errors import BadRequest
 from flywheel.gateway.core.http import json_response
 from flywheel.gateway.core.log_setup import configure_logging
 from flywheel.gateway.core.processes import tune_gc
 from flywheel.gateway.core.protocol import parse_json_object
 from flywheel.gateway.core.store_wire import CLIENT_HOST_HEADER, STORE_KEEPALIVE_S, redactor_for
 from flywheel.gateway.core.tracing import Tracing
-from flywheel.gateway.storeproc import dashboard_ops  # noqa: F401  (registers the dashboard's reads beside the loop's)
 from flywheel.gateway.storeproc.memory import limit_memory, memory_report
 from flywheel.gateway.storeproc.redacted_bodies import RedactedBodies
 from flywheel.gateway.storeproc.routes import STORE_ROUTERS
-from flywheel.gateway.storeproc.store_ops import OPS, is_async
+from flywheel.gateway.storeproc.store_api_local import LocalStore, answer
 from flywheel.gateway.storeproc.store_state import StoreState
 from flywheel.gateway.storeproc.versions import VersionError
 
@@ -194,19 +193,14 @@ async def memory(request: Request) -> Response:
     return json_response(await asyncio.to_thread(memory_report, StoreState.of(request).store))
 
 
-@internal.post("/ops/{name}")
-async def run_op(name: str, request: Request) -> Response:
-    """One of the loop's store operations (``gateway/storeproc/store_ops.py``), keyword arguments as the JSON body."""
+@internal.post("/store/{method}")
+async def store_method(method: str, request: Request) -> Response:
+    """One method of the store interface (``core/store_api.py``), its arguments as the JSON body."""
     state = StoreState.of(request)
-    if name not in OPS:
-        raise NotFound(f"no store operation named {name!r}", param="name")
-    kwargs = parse_json_object(await request.body())
+    arguments = parse_json_object(await request.body())
     await state.caught_up(request)
     try:
-        if is_async(name):
-            result = await OPS[name](state.store, state.settings, **kwargs)
-        else:
-            result = await asyncio.to_thread(OPS[name], state.store, state.settings, **kwargs)
+        result = await answer(LocalStore(state.store, state.settings), method, arguments)
     except VersionError as exc:
         raise BadRequest(str(exc), param="version") from None
     return json_response(result)

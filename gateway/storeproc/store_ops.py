@@ -1,19 +1,17 @@
-"""What the loop does where the store is: one named operation each, JSON in and JSON out.
+"""What the loop does where the store is: the functions behind :class:`~flywheel.gateway.core.store_api.StoreApi`.
 
-The store process runs them for the gateway (``POST /internal/ops/{name}``, the gateway's
-``StoreLink.op``); the CLI runs the same functions on the store file when no gateway runs.
-Each takes the open :class:`Store`, the :class:`Settings` and keyword arguments, and returns
-something JSON can carry. Blocking ones run on a worker thread; ``score`` is a coroutine.
+Each takes the open :class:`Store`, the :class:`Settings` and the method's arguments, and returns the
+Protocol's model. The store process runs them for the gateway (``store_api_local.LocalStore``, on a worker
+thread; ``score`` is a coroutine); the CLI and ``flywheel train`` call them on the store file when no
+gateway runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +21,7 @@ from sqlalchemy import ColumnElement, and_, func, or_
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
+from flywheel.capture.batches import TrainingGroup
 from flywheel.capture.groups import GroupingRules, form_groups, held_out
 from flywheel.capture.models import (
     AdapterVersion,
@@ -38,27 +37,25 @@ from flywheel.capture.models import (
 from flywheel.capture.store import Store
 from flywheel.capture.turns import new_id
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.store_api import (
+    AliasVersions,
+    CanaryReward,
+    FormedGroup,
+    HeldoutContext,
+    JobRunRecord,
+    Pending,
+    Promoted,
+    Recovered,
+    RewardByVersion,
+    RewardRow,
+    Rewards,
+    ScoreCounts,
+    Version,
+    VersionSummary,
+)
 from flywheel.gateway.storeproc import versions
 from flywheel.gateway.storeproc.training_records import record_failed_round, record_training, training_batch
 from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
-
-Op = Callable[..., Any]
-OPS: dict[str, Op] = {}
-
-
-def op(name: str) -> Callable[[Op], Op]:
-    def register(function: Op) -> Op:
-        OPS[name] = function
-        return function
-    return register
-
-
-def is_async(name: str) -> bool:
-    return inspect.iscoroutinefunction(OPS[name])
-
-
-def _time(text: str | None) -> datetime | None:
-    return datetime.fromisoformat(text) if text else None
 
 
 def adapter_dir(settings: Settings, alias: str, version: int) -> Path:
@@ -81,9 +78,9 @@ def grouping_rules(settings: Settings) -> GroupingRules:
                          cohorts=config.cohorts, holdout_fraction=holdout_fraction(settings))
 
 
-@op("close_idle")
-def close_idle(store: Store, settings: Settings) -> dict[str, int]:
-    return {"closed": store.close_idle(settings.capture.idle_close_s)}
+def close_idle(store: Store, settings: Settings) -> int:
+    closed: int = store.close_idle(settings.capture.idle_close_s)
+    return closed
 
 
 MARK_LAG_S = 60.0  # a run looks back this far past the last run's start: writes that committed late are seen
@@ -112,8 +109,7 @@ class Watermark:
 FORMATION_MARKS: weakref.WeakKeyDictionary[Store, Watermark] = weakref.WeakKeyDictionary()
 
 
-@op("form_groups")
-def run_group_formation(store: Store, settings: Settings) -> dict[str, Any]:
+def run_group_formation(store: Store, settings: Settings) -> list[FormedGroup]:
     """Form the groups the store allows now; the new groups as dicts. Incremental: only what changed since a
     little before the last run (``Watermark``), and everything every ``FULL_PASS_S``."""
     mark = FORMATION_MARKS.setdefault(store, Watermark())
@@ -122,20 +118,17 @@ def run_group_formation(store: Store, settings: Settings) -> dict[str, Any]:
         groups = form_groups(session, grouping_rules(settings), since=since)
         session.commit()
     mark.ran(started, since)
-    return {"formed": [{"id": g.id, "source": g.source, "key": g.key, "alias": g.alias, "size": g.size}
-                       for g in groups]}
+    return [FormedGroup(id=g.id, source=g.source, key=g.key, alias=g.alias, size=g.size) for g in groups]
 
 
-@op("score")
-async def score(store: Store, settings: Settings, alias: str | None = None) -> dict[str, Any]:
+async def score(store: Store, settings: Settings, alias: str | None = None) -> ScoreCounts:
     from flywheel.judge.scoring import score_pending
 
     summary = await score_pending(store.engine, settings.judge, settings.rewards, alias=alias)
-    return asdict(summary)
+    return ScoreCounts(**asdict(summary))
 
 
-@op("pending")
-def pending(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
+def pending(store: Store, settings: Settings, alias: str) -> Pending:
     """What waits for the loop: open trajectories, groups by status, and when the alias last trained."""
     with store.session() as session:
         open_count = session.exec(select(func.count()).select_from(Trajectory)
@@ -144,24 +137,21 @@ def pending(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
                                       .group_by(Group.status)).all())
         last = session.exec(select(func.max(AdapterVersion.created_at))
                             .where(AdapterVersion.alias == alias, AdapterVersion.source == "trained")).one()
-    return {"open_trajectories": open_count, "groups": {str(k): int(v) for k, v in by_status.items()},
-            "scored_groups": int(by_status.get("scored", 0)), "last_trained_at": last.isoformat() if last else None}
+    return Pending(open_trajectories=open_count, groups={str(k): int(v) for k, v in by_status.items()},
+                   scored_groups=int(by_status.get("scored", 0)), last_trained_at=last)
 
 
 # -- training rounds ----------------------------------------------------------------------------------------
 
 
-@op("training_batch")
 def batch(store: Store, settings: Settings, alias: str, max_groups: int,
-          group_ids: list[str] | None = None) -> list[dict[str, Any]]:
-    return [g.to_json() for g in training_batch(store, alias, max_groups, group_ids,
-                                                order=settings.train.batch_order)]
+          group_ids: list[str] | None = None) -> list[TrainingGroup]:
+    return training_batch(store, alias, max_groups, group_ids, order=settings.train.batch_order)
 
 
-@op("reserve_version")
 def reserve_version(store: Store, settings: Settings, alias: str, base_model: str, source: str = "trained",
                     status: str = "training", path: str | None = None,
-                    parent_version: int | None = None, alone: bool = False) -> dict[str, Any]:
+                    parent_version: int | None = None, alone: bool = False) -> Version:
     """The next version number, reserved. ``alone``: only while no other version of the alias is in flight,
     checked and reserved as one step across every replica (trainer workers: one round at a time)."""
     with store.session() as session, \
@@ -172,12 +162,11 @@ def reserve_version(store: Store, settings: Settings, alias: str, base_model: st
         row = versions.reserve(session, alias, path_of=lambda n: adapter_dir(settings, alias, n),
                                base_model=base_model, source=source, status=status, path=path,
                                parent_version=parent_version)
-        return versions.to_json(row)
+        return Version.model_validate(row)
 
 
-@op("record_round")
 def record_round(store: Store, settings: Settings, alias: str, version: int, parent_version: int | None,
-                 promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Any:
+                 promote: bool, result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:
     from flywheel.trainer.grpo_args import RoundResult
 
     adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
@@ -185,77 +174,69 @@ def record_round(store: Store, settings: Settings, alias: str, version: int, par
     if adapter is not None and adapter.status == "candidate":
         with store.session() as session:
             versions.supersede(session, alias, version)  # the gate takes the newest candidate of the line
-    return versions.to_json(adapter) if adapter is not None else None
+    return Version.model_validate(adapter) if adapter is not None else None
 
 
-@op("record_failed_round")
 def failed_round(store: Store, settings: Settings, alias: str, version: int, error: str,
-                 group_ids: list[str] | None = None) -> dict[str, Any]:
-    return versions.to_json(record_failed_round(store, alias, version, error, group_ids or []))
+                 group_ids: list[str] | None = None) -> Version:
+    return Version.model_validate(record_failed_round(store, alias, version, error, group_ids or []))
 
 
 # -- versions -----------------------------------------------------------------------------------------------
 
 
-@op("versions")
-def list_versions(store: Store, settings: Settings, alias: str) -> list[dict[str, Any]]:
+def list_versions(store: Store, settings: Settings, alias: str) -> list[Version]:
     with store.session() as session:
-        return [versions.to_json(row) for row in versions.listing(session, alias)]
+        return [Version.model_validate(row) for row in versions.listing(session, alias)]
 
 
-@op("serving")
-def serving(store: Store, settings: Settings) -> dict[str, Any]:
+def serving(store: Store, settings: Settings) -> dict[str, AliasVersions]:
     """Per alias: the version serving it, the oldest in flight (training, candidate or canary), the one
     training now and the newest waiting for its gate, each or None. A round may train while an older
     version is on canary (docs/loop.md)."""
-    out: dict[str, Any] = {}
+    out: dict[str, AliasVersions] = {}
     with store.session() as session:
         for alias in settings.aliases:
             rows = {"serving": versions.serving(session, alias), "in_flight": versions.in_flight(session, alias),
                     "training": versions.training(session, alias),
                     "waiting": versions.newest_candidate(session, alias)}
-            out[alias] = {key: versions.to_json(row) if row else None for key, row in rows.items()}
+            out[alias] = AliasVersions(**{key: Version.model_validate(row) if row else None
+                                          for key, row in rows.items()})
     return out
 
 
-@op("training_head")
-def training_head(store: Store, settings: Settings, alias: str) -> dict[str, Any] | None:
+def training_head(store: Store, settings: Settings, alias: str) -> Version | None:
     """The version the next round of ``alias`` continues from (versions.training_head), None: the base model."""
     with store.session() as session:
         row = versions.training_head(session, alias)
-        return versions.to_json(row) if row is not None else None
+        return Version.model_validate(row) if row is not None else None
 
 
-@op("promote")
 def promote(store: Store, settings: Settings, alias: str, version: int, reason: str,
-            replaced_status: str = "retired") -> dict[str, Any]:
+            replaced_status: str = "retired") -> Promoted:
     with store.session() as session:
         target, previous = versions.promote(session, alias, version, reason=reason, replaced_status=replaced_status)
-        return {"serving": versions.to_json(target) if target else None,
-                "previous": versions.to_json(previous) if previous else None}
+        return Promoted(serving=Version.model_validate(target) if target else None,
+                        previous=Version.model_validate(previous) if previous else None)
 
 
-@op("rollback_target")
 def rollback_target(store: Store, settings: Settings, alias: str) -> int:
     with store.session() as session:
         return versions.rollback_target(session, alias)
 
 
-@op("decide")
 def decide(store: Store, settings: Settings, alias: str, version: int, status: str, reason: str,
-           gate: dict[str, Any] | None = None) -> dict[str, Any]:
+           gate: dict[str, Any] | None = None) -> Version:
     with store.session() as session:
-        return versions.to_json(versions.decide(session, alias, version, status, reason=reason, gate=gate))
+        return Version.model_validate(versions.decide(session, alias, version, status, reason=reason, gate=gate))
 
 
-@op("record_gate")
-def record_gate(store: Store, settings: Settings, alias: str, version: int, gate: dict[str, Any]) -> dict[str, Any]:
+def record_gate(store: Store, settings: Settings, alias: str, version: int, gate: dict[str, Any]) -> Version:
     with store.session() as session:
-        return versions.to_json(versions.record_gate(session, alias, version, gate))
+        return Version.model_validate(versions.record_gate(session, alias, version, gate))
 
 
-@op("recover")
-def recover(store: Store, settings: Settings, rounds: bool = True) -> dict[str, int]:
+def recover(store: Store, settings: Settings, rounds: bool = True) -> Recovered:
     """When a gateway starts leading the loop: runs and rounds (with ``rounds``; trainer workers' are not the
     gateway's) that were in progress when the last leader stopped are recorded as such."""
     with store.session() as session:
@@ -265,13 +246,12 @@ def recover(store: Store, settings: Settings, rounds: bool = True) -> dict[str, 
             run.status, run.finished_at, run.error = "interrupted", utcnow(), "the gateway stopped during the run"
             session.add(run)
         session.commit()
-    return {"rounds_failed": failed, "runs_interrupted": len(runs)}
+    return Recovered(rounds_failed=failed, runs_interrupted=len(runs))
 
 
 # -- job runs -----------------------------------------------------------------------------------------------
 
 
-@op("job_started")
 def job_started(store: Store, settings: Settings, job: str, alias: str | None) -> str:
     run = JobRun(id=new_id("job"), job=job, alias=alias)
     with store.session() as session:
@@ -280,7 +260,6 @@ def job_started(store: Store, settings: Settings, job: str, alias: str | None) -
     return run.id
 
 
-@op("job_finished")
 def job_finished(store: Store, settings: Settings, run_id: str, status: str, counts: dict[str, Any] | None = None,
                  detail: str | None = None, error: str | None = None) -> None:
     """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run."""
@@ -297,10 +276,9 @@ def job_finished(store: Store, settings: Settings, run_id: str, status: str, cou
         session.commit()
 
 
-@op("last_runs")
-def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> dict[str, dict[str, Any]]:
+def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
     """The latest run of each of ``jobs`` (for ``alias``, or alias-wide): a busy job cannot hide a quiet one."""
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, JobRunRecord] = {}
     with store.session() as session:
         for job in jobs:
             query = (select(JobRun).where(col(JobRun.job) == job,
@@ -308,7 +286,7 @@ def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> 
                      .order_by(col(JobRun.started_at).desc()).limit(1))
             run = session.exec(query).first()
             if run is not None:
-                found[job] = run.model_dump(mode="json")
+                found[job] = JobRunRecord.model_validate(run)
     return found
 
 
@@ -376,26 +354,24 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
     return out, mixed
 
 
-@op("rewards")
-def rewards(store: Store, settings: Settings, alias: str, since: str | None = None, until: str | None = None,
-            versions_in: list[int] | None = None) -> dict[str, Any]:
+def rewards(store: Store, settings: Settings, alias: str, since: datetime | None = None,
+            until: datetime | None = None, versions_in: list[int] | None = None) -> Rewards:
     with store.session() as session:
-        rows, mixed = trajectory_rewards(session, alias, since=_time(since), until=_time(until),
-                                         versions_in=versions_in,
+        rows, mixed = trajectory_rewards(session, alias, since=since, until=until, versions_in=versions_in,
                                          judge_only=settings.rewards.policy == "judge_only")
-    return {"rewards": rows, "mixed": mixed}
+    return Rewards(rewards=[RewardRow(**row) for row in rows], mixed=mixed)
 
 
-@op("canary_rewards")
-def canary_rewards(store: Store, settings: Settings, alias: str, since: str, versions_in: list[int]) -> dict[str, Any]:
+def canary_rewards(store: Store, settings: Settings, alias: str, since: datetime,
+                   versions_in: list[int]) -> list[CanaryReward]:
     """What the canary pairs (``abtest.pair_finished``): every reward of ``versions_in`` since ``since``, with its
     context and the time it became known, oldest first."""
     with store.session() as session:
-        rows = conversation_units(session, alias, _time(since), versions_in,
+        rows = conversation_units(session, alias, since, versions_in,
                                   judge_only=settings.rewards.policy == "judge_only")
-        rows += fork_units(session, alias, _time(since), versions_in)
+        rows += fork_units(session, alias, since, versions_in)
     rows.sort(key=lambda r: (r["at"], r["context"] or "", r["order"]))
-    return {"rewards": [{**row, "at": _epoch(row["at"])} for row in rows]}
+    return [CanaryReward(**{**row, "at": _epoch(row["at"])}) for row in rows]
 
 
 def _epoch(moment: datetime) -> float:
@@ -506,8 +482,7 @@ def changed_trajectories(session: Session, alias: str, since: datetime, judge_on
     return sorted(ids)
 
 
-@op("reward_by_version")
-def reward_by_version(store: Store, settings: Settings, alias: str) -> dict[str, Any]:
+def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByVersion:
     """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory.
 
     Incremental: sums per version kept in the store process, updated from the trajectories whose reward
@@ -535,27 +510,26 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> dict[str,
     for row in rows:
         kept.add(row["trajectory_id"], row["version"], row["reward"])
     kept.mark.ran(started, since)
-    return {"versions": {str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)}, "mixed": len(kept.mixed)}
+    return RewardByVersion(versions={str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)},
+                           mixed=len(kept.mixed))
 
 
-def summarize_sums(n: float, total: float, squares: float) -> dict[str, float | int]:
+def summarize_sums(n: float, total: float, squares: float) -> VersionSummary:
     """Mean, n and a 95% interval (normal approximation) from a count, a sum and a sum of squares."""
     count = int(n)
     mean = total / count if count else math.nan
     variance = max(0.0, (squares - total * total / count) / (count - 1)) if count > 1 else math.inf
     half = 1.96 * math.sqrt(variance / count) if count > 1 else math.inf
-    out: dict[str, float | int] = {"n": count, "mean": mean}
     if math.isfinite(half):
-        out |= {"low": mean - half, "high": mean + half}
-    return out
+        return VersionSummary(n=count, mean=mean, low=mean - half, high=mean + half)
+    return VersionSummary(n=count, mean=mean)
 
 
 
 # -- the offline gate's contexts ----------------------------------------------------------------------------
 
 
-@op("heldout_contexts")
-def heldout_contexts(store: Store, settings: Settings, alias: str, count: int) -> list[dict[str, Any]]:
+def heldout_contexts(store: Store, settings: Settings, alias: str, count: int) -> list[HeldoutContext]:
     """The first request of the ``count`` most recent held-out conversations (never in a group, so never trained on).
 
     Sub-agent trajectories are left out: they are scored (and may be trained) with their parent's group.
@@ -575,7 +549,7 @@ def heldout_contexts(store: Store, settings: Settings, alias: str, count: int) -
                                                     Turn.source != "fork")
                                  .order_by(col(Turn.created_at)).limit(1)).first()
             if first is not None and first.endpoint == "chat.completions" and first.request_messages:
-                contexts.append({"trajectory_id": trajectory_id, "messages": first.request_messages,
-                                 "tools": first.tools})
+                contexts.append(HeldoutContext(trajectory_id=trajectory_id, messages=first.request_messages,
+                                               tools=first.tools))
     return contexts
 

@@ -167,10 +167,10 @@ class StoreFile:
             base = base_model_path(self.settings, alias)
         except ValueError as exc:
             raise RoundError(str(exc)) from None
-        groups = store_ops.batch(self.store, self.settings, alias, max_groups or self.settings.train.max_groups,
-                                 group_ids)
+        groups = [group.to_json() for group in store_ops.batch(
+            self.store, self.settings, alias, max_groups or self.settings.train.max_groups, group_ids)]
         head = store_ops.training_head(self.store, self.settings, alias)
-        current = {"version": head["version"], "path": head["path"]} if head else None
+        current = {"version": head.version, "path": head.path} if head else None
         return Batch(groups, base, current, asdict(grpo_args(self.settings, base)))
 
     def readable(self, alias: str, current: dict[str, Any] | None) -> str | None:
@@ -180,7 +180,8 @@ class StoreFile:
         from flywheel.gateway.storeproc import store_ops
 
         return store_ops.reserve_version(self.store, self.settings, alias, base_model=batch.base_model,
-                                         parent_version=batch.current["version"] if batch.current else None)
+                                         parent_version=batch.current["version"] if batch.current else None
+                                         ).model_dump(mode="json")
 
     def writable(self, alias: str, reserved: dict[str, Any]) -> str:
         return str(reserved["path"])
@@ -191,7 +192,8 @@ class StoreFile:
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
         from flywheel.gateway.storeproc import store_ops
 
-        return store_ops.record_round(self.store, self.settings, **report)
+        adapter = store_ops.record_round(self.store, self.settings, **report)
+        return adapter.model_dump(mode="json") if adapter is not None else None
 
     def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None:
         from flywheel.gateway.storeproc import store_ops

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from flywheel.gateway.core.config import GateConfig, JudgeConfig
+from flywheel.gateway.core.store_api import HeldoutContext
 from flywheel.gateway.serving.served_model import ServedModel
 
 log = logging.getLogger("flywheel.gate")
@@ -88,11 +89,11 @@ def ruler_scorer(judge: JudgeConfig) -> Scorer:
     return score
 
 
-async def answer(model: ServedModel, context: dict[str, Any], config: GateConfig) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model.engine_model, "messages": context["messages"],
+async def answer(model: ServedModel, context: HeldoutContext, config: GateConfig) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model.engine_model, "messages": context.messages,
                             "max_tokens": config.max_tokens, "temperature": config.temperature}
-    if context.get("tools"):
-        body["tools"] = context["tools"]
+    if context.tools:
+        body["tools"] = context.tools
     result = await model.engine.chat(body)
     message: dict[str, Any] = result["choices"][0]["message"]
     return message
@@ -113,15 +114,15 @@ def gate_decision(wins: int, ties: int, contexts: int, threshold: float, fail_al
     return "failed" if loss_p_value(wins, contexts - wins - ties) <= fail_alpha else "inconclusive"
 
 
-async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[dict[str, Any]],
+async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[HeldoutContext],
                        config: GateConfig, scorer: Scorer, concurrency: int = 4) -> dict[str, Any]:
     """Answer every context with both versions, score each pair, and decide."""
     semaphore = asyncio.Semaphore(concurrency)
 
-    async def one(context: dict[str, Any]) -> tuple[float, float]:
+    async def one(context: HeldoutContext) -> tuple[float, float]:
         async with semaphore:
             ours, theirs = await asyncio.gather(answer(candidate, context, config), answer(baseline, context, config))
-            return await scorer(context["messages"], context.get("tools"), ours, theirs)
+            return await scorer(context.messages, context.tools, ours, theirs)
 
     scores = await asyncio.gather(*(one(c) for c in contexts))
     wins = sum(1 for a, b in scores if a > b)

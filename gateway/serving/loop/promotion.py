@@ -11,8 +11,8 @@ longer than the swap.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from flywheel.gateway.core.store_api import AliasVersions, Version
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.served_model import ServedModel
 
@@ -23,24 +23,22 @@ async def promote_version(state: GatewayState, alias: str, version: int, *, reas
                           replaced_status: str = "retired") -> ServedModel:
     """Make ``version`` (0: the base model) serve ``alias``, in the store and on the engine."""
     state.router.get(alias)  # 404 for an unknown alias before anything changes
-    result: dict[str, Any] = await state.store_link.op("promote", alias=alias, version=version, reason=reason,
-                                                       replaced_status=replaced_status)
-    target, previous = result["serving"], result["previous"]
+    result = await state.store.promote(alias, version, reason, replaced_status)
+    target, previous = result.serving, result.previous
     try:
-        served = await state.router.switch(alias, version, target["path"] if target else None)
+        served = await state.router.switch(alias, version, target.path if target else None)
     except Exception as exc:
-        back = previous["version"] if previous else 0
+        back = previous.version if previous else 0
         log.error("%s: the engine refused version %d (%s); the store returns to version %d", alias, version, exc, back)
-        await state.store_link.op("promote", alias=alias, version=back, reason=f"version {version} failed to load")
+        await state.store.promote(alias, back, f"version {version} failed to load")
         if version:
-            await state.store_link.op("decide", alias=alias, version=version, status="rejected",
-                                      reason=f"the engine refused it: {exc}")
+            await state.store.decide(alias, version, "rejected", f"the engine refused it: {exc}")
         raise
     log.info("%s: version %d serves (%s)", alias, version, reason)
     return served
 
 
-async def restore_serving(state: GatewayState) -> dict[str, Any]:
+async def restore_serving(state: GatewayState) -> dict[str, AliasVersions]:
     """At start-up: load what the store says serves each alias.
 
     A configured ``aliases.X.adapter`` is registered as a version (and promoted) the first time it
@@ -48,22 +46,19 @@ async def restore_serving(state: GatewayState) -> dict[str, Any]:
     """
     for alias, cfg in state.settings.aliases.items():
         if cfg.adapter:
-            known = await state.store_link.op("versions", alias=alias)
-            if not any(row["path"] == cfg.adapter for row in known):
+            known = await state.store.versions(alias)
+            if not any(row.path == cfg.adapter for row in known):
                 row = await register_adapter(state, alias, cfg.adapter, source="config")
-                await state.store_link.op("promote", alias=alias, version=row["version"],
-                                          reason="aliases.adapter in the configuration")
-    serving: dict[str, Any] = await state.store_link.op("serving")
+                await state.store.promote(alias, row.version, "aliases.adapter in the configuration")
+    serving = await state.store.serving()
     for alias in state.settings.aliases:
-        current = serving.get(alias, {}).get("serving")
+        current = serving[alias].serving if alias in serving else None
         if current is not None:
-            await state.router.switch(alias, current["version"], current["path"])
+            await state.router.switch(alias, current.version, current.path)
     return serving
 
 
-async def register_adapter(state: GatewayState, alias: str, path: str, *, source: str) -> dict[str, Any]:
+async def register_adapter(state: GatewayState, alias: str, path: str, *, source: str) -> Version:
     """A new version number for an adapter directory that was not trained here (a manual switch, the config)."""
     served = state.router.get(alias)
-    row: dict[str, Any] = await state.store_link.op("reserve_version", alias=alias, base_model=served.base_model,
-                                                    source=source, status="candidate", path=path)
-    return row
+    return await state.store.reserve_version(alias, served.base_model, source=source, status="candidate", path=path)

@@ -34,6 +34,7 @@ from typing import Any
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from flywheel.gateway.core.config import LoopConfig
+from flywheel.gateway.core.store_api import AliasVersions, Pending, Version
 from flywheel.gateway.serving.canary import CanarySplit
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop import gate as offline
@@ -90,11 +91,15 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def training_due(pending: dict[str, Any], loop: LoopConfig, started_at: float) -> bool:
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)  # the store writes UTC
+
+
+def training_due(pending: Pending, loop: LoopConfig, started_at: float) -> bool:
     """The loop's rule for a round (the store's ``pending`` of an alias): ``min_groups`` scored groups wait, or
     one does and the last round (with none yet: ``started_at``, when this loop started) is ``train_every_s`` old."""
-    scored, last = pending["scored_groups"], pending["last_trained_at"]
-    since_last = time.time() - (datetime.fromisoformat(last).timestamp() if last else started_at)
+    scored, last = pending.scored_groups, pending.last_trained_at
+    since_last = time.time() - (_aware(last).timestamp() if last else started_at)
     return scored >= loop.min_groups or bool(scored and since_last >= loop.train_every_s)
 
 
@@ -137,8 +142,8 @@ class Loop:
         self.started_at = time.time()
         try:
             # Trainer workers' rounds are not this replica's children: their versions time out instead (train job).
-            recovered = await self.state.store_link.op("recover", rounds=not self.settings.train.workers)
-            if any(recovered.values()):
+            recovered = await self.state.store.recover(rounds=not self.settings.train.workers)
+            if recovered.rounds_failed or recovered.runs_interrupted:
                 log.warning("loop: after the last leader stopped, %s", recovered)
         except Exception as exc:  # the store process is (re)starting: what is stale is found at the next start
             log.warning("loop: could not recover what the last leader left (%s)", exc)
@@ -184,7 +189,7 @@ class Loop:
         router = self.state.router
         generation = router.generation
         try:
-            rows = await self.state.store_link.op("serving")
+            rows = await self.state.store.serving()
         except Exception as exc:  # the store process is restarting: the next look follows
             log.warning("loop: could not read the serving versions (%s)", exc)
             return
@@ -192,22 +197,23 @@ class Loop:
             if router.generation != generation:
                 return
             try:
-                await self._follow(alias, rows.get(alias) or {})
+                if alias in rows:
+                    await self._follow(alias, rows[alias])
             except Exception:
                 log.exception("loop: %s could not follow the store; trying again at the next look", alias)
 
-    async def _follow(self, alias: str, rows: dict[str, Any]) -> None:
+    async def _follow(self, alias: str, rows: AliasVersions) -> None:
         router = self.state.router
-        current = rows.get("serving")
-        version = current["version"] if current else 0
+        current = rows.serving
+        version = current.version if current else 0
         if router.get(alias).version != version:
-            await router.switch(alias, version, current["path"] if current else None)
+            await router.switch(alias, version, current.path if current else None)
             log.info("loop: %s follows the store: version %d serves", alias, version)
-        flight, split = rows.get("in_flight"), router.canaries.get(alias)
-        if split is None and flight is not None and flight["status"] == "canary":
-            started = ((flight.get("gate") or {}).get("online") or {}).get("started_at") or _now()
+        flight, split = rows.in_flight, router.canaries.get(alias)
+        if split is None and flight is not None and flight.status == "canary":
+            started = ((flight.gate or {}).get("online") or {}).get("started_at") or _now()
             await self._start_canary(alias, flight, started)
-        elif split is not None and (flight is None or flight["version"] != split.served.version):
+        elif split is not None and (flight is None or flight.version != split.served.version):
             await router.stop_canary(alias)  # decided elsewhere (promoted, rejected)
 
     # -- running one job ------------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ class Loop:
         async with lock:
             started = time.monotonic()
             try:
-                run_id = await self.state.store_link.op("job_started", job=job, alias=alias)
+                run_id = await self.state.store.job_started(job, alias)
             except Exception as exc:  # the store process is restarting: try again at the next tick
                 log.warning("loop: %s could not start (%s)", job, exc)
                 return {"job": job, "alias": alias, "status": "failed", "error": str(exc)}
@@ -239,8 +245,7 @@ class Loop:
                 log.exception("loop: %s for %s failed; it runs again at its next tick", job, alias or "all aliases")
                 outcome, error = Outcome("failed", f"{type(exc).__name__}: {exc}"), f"{type(exc).__name__}: {exc}"
             try:
-                await self.state.store_link.op("job_finished", run_id=run_id, status=outcome.status,
-                                               counts=outcome.counts, detail=outcome.detail, error=error)
+                await self.state.store.job_finished(run_id, outcome.status, outcome.counts, outcome.detail, error)
             except Exception as exc:
                 log.warning("loop: could not record the end of %s (%s)", job, exc)
             if outcome.status not in ("idle", "waiting"):
@@ -252,41 +257,41 @@ class Loop:
     # -- the jobs -------------------------------------------------------------------------------------------
 
     async def close_idle(self, alias: str | None) -> Outcome:
-        counts = await self.state.store_link.op("close_idle")
-        return Outcome("ok" if counts["closed"] else "idle", f"closed {counts['closed']}", counts)
+        closed = await self.state.store.close_idle()
+        return Outcome("ok" if closed else "idle", f"closed {closed}", {"closed": closed})
 
     async def form_groups(self, alias: str | None) -> Outcome:
-        formed = (await self.state.store_link.op("form_groups"))["formed"]
+        formed = await self.state.store.form_groups()
         by_alias: dict[str, int] = {}
         for group in formed:
-            by_alias[group["alias"]] = by_alias.get(group["alias"], 0) + 1
+            by_alias[group.alias] = by_alias.get(group.alias, 0) + 1
         return Outcome("ok" if formed else "idle", f"formed {len(formed)} groups", {"formed": by_alias})
 
     async def score(self, alias: str | None) -> Outcome:
-        summary = await self.state.store_link.op("score", alias=alias)
-        if not summary["groups"]:
-            return Outcome("idle", "no closed groups", summary)
-        return Outcome("ok", f"scored {summary['scored']}/{summary['groups']} groups, {summary['failed']} failed",
-                       {k: v for k, v in summary.items() if k != "failed_group_ids"})
+        summary = await self.state.store.score(alias)
+        if not summary.groups:
+            return Outcome("idle", "no closed groups", summary.model_dump())
+        return Outcome("ok", f"scored {summary.scored}/{summary.groups} groups, {summary.failed} failed",
+                       summary.model_dump(exclude={"failed_group_ids"}))
 
     async def train(self, alias: str | None) -> Outcome:
         assert alias is not None
-        link, loop = self.state.store_link, self.settings.loop
-        rows = (await link.op("serving"))[alias]
-        flight, busy = rows["in_flight"], rows["training"]
+        store, loop = self.state.store, self.settings.loop
+        rows = (await store.serving())[alias]
+        flight, busy = rows.in_flight, rows.training
         if busy is not None:
             if self.settings.train.workers and \
-                    time.time() - datetime.fromisoformat(busy["created_at"]).timestamp() > loop.train_timeout_s:
-                await link.op("record_failed_round", alias=alias, version=busy["version"],
-                              error=f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
-                return Outcome("failed", f"version {busy['version']}: no report from its trainer worker")
-            return Outcome("idle", f"version {busy['version']} is training: one round at a time")
+                    time.time() - _aware(busy.created_at).timestamp() > loop.train_timeout_s:
+                await store.record_failed_round(
+                    alias, busy.version, f"no trainer worker reported the round within {loop.train_timeout_s:.0f} s")
+                return Outcome("failed", f"version {busy.version}: no report from its trainer worker")
+            return Outcome("idle", f"version {busy.version} is training: one round at a time")
         # Pipelined: while a canary runs, the next round trains on (a newer candidate supersedes a waiting one);
         # a candidate waiting for its offline gate with no canary running is next in line: wait for it.
-        if flight is not None and (flight["status"] != "canary" or self.settings.train.workers):
-            return Outcome("idle", f"version {flight['version']} is {flight['status']}: one candidate at a time")
-        pending = await link.op("pending", alias=alias)
-        scored = pending["scored_groups"]
+        if flight is not None and (flight.status != "canary" or self.settings.train.workers):
+            return Outcome("idle", f"version {flight.version} is {flight.status}: one candidate at a time")
+        pending = await store.pending(alias)
+        scored = pending.scored_groups
         if not training_due(pending, loop, self.started_at):
             return Outcome("waiting", f"{scored}/{loop.min_groups} scored groups", {"scored_groups": scored})
         if self.settings.train.workers:
@@ -295,11 +300,11 @@ class Loop:
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")
         if result.reply is None or result.reply.summary is None:
-            busy = (await link.op("serving"))[alias]["training"]
+            busy = (await store.serving())[alias].training
             if busy is not None:  # the child died before it could say so
                 reason = "timed out" if result.timed_out else f"exited with {result.returncode}"
-                await link.op("record_failed_round", alias=alias, version=busy["version"],
-                              error=f"the training process {reason}; log {result.log_path}:\n{result.tail}")
+                await store.record_failed_round(
+                    alias, busy.version, f"the training process {reason}; log {result.log_path}:\n{result.tail}")
             why = result.reply.error if result.reply else f"training process exited with {result.returncode}"
             return Outcome("failed", f"{why} (log {result.log_path})", {"scored_groups": scored})
         summary = result.reply.summary
@@ -312,31 +317,31 @@ class Loop:
 
     async def gate(self, alias: str | None) -> Outcome:
         assert alias is not None
-        link, config = self.state.store_link, self.settings.loop
-        flight = (await link.op("serving"))[alias]["in_flight"]
-        if flight is None or flight["status"] != "candidate":
+        store, config = self.state.store, self.settings.loop
+        flight = (await store.serving())[alias].in_flight
+        if flight is None or flight.status != "candidate":
             return Outcome("idle", "no candidate")
-        version, results = flight["version"], flight.get("gate") or {}
+        version, results = flight.version, flight.gate or {}
         if config.gate.offline and "offline" not in results:
             checked = await self._offline_gate(alias, flight)
             if checked is None:
                 return Outcome("waiting", "not enough held-out contexts yet", {"version": version})
             results = {**results, "offline": checked}
-            await link.op("record_gate", alias=alias, version=version, gate={"offline": checked})
+            await store.record_gate(alias, version, {"offline": checked})
         rejected, why = offline_verdict(results.get("offline") if config.gate.offline else None,
                                          canary=config.canary.enabled)
         if rejected:
             log.info("alias %s: version %d rejected: %s", alias, version, why)
             await self._unload(alias, flight)
-            await link.op("decide", alias=alias, version=version, status="rejected", reason=why)
+            await store.decide(alias, version, "rejected", why)
             return Outcome("ok", f"version {version} rejected: {why}", {"version": version})
         if config.canary.enabled:
             started = _now()
             await self._start_canary(alias, flight, started)
             reason = f"on canary ({why})" if why else "on canary"
             log.info("alias %s: version %d %s", alias, version, reason)
-            await link.op("decide", alias=alias, version=version, status="canary", reason=reason,
-                          gate={"online": {"started_at": started, "fraction": config.canary.fraction}})
+            await store.decide(alias, version, "canary", reason,
+                               gate={"online": {"started_at": started, "fraction": config.canary.fraction}})
             return Outcome("ok", f"version {version} {reason}, {config.canary.fraction:.0%} of conversations",
                            {"version": version})
         await promote_version(self.state, alias, version, reason="passed the offline gate")
@@ -352,34 +357,33 @@ class Loop:
 
     # -- gate, canary, monitor --------------------------------------------------------------------------------
 
-    async def _offline_gate(self, alias: str, flight: dict[str, Any]) -> dict[str, Any] | None:
+    async def _offline_gate(self, alias: str, flight: Version) -> dict[str, Any] | None:
         config = self.settings.loop.gate
-        contexts = await self.state.store_link.op("heldout_contexts", alias=alias, count=config.contexts)
+        contexts = await self.state.store.heldout_contexts(alias, config.contexts)
         if len(contexts) < config.min_contexts:
             return None
-        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+        candidate = self.state.router.version_model(alias, flight.version, flight.path)
         await self.state.router.load(candidate)
         scorer = (offline.hook_scorer(config.reward_hook) if config.reward_hook
                   else offline.ruler_scorer(self.settings.judge))
         return await offline.offline_gate(candidate, self.state.router.get(alias), contexts, config, scorer)
 
-    async def _unload(self, alias: str, flight: dict[str, Any]) -> None:
-        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+    async def _unload(self, alias: str, flight: Version) -> None:
+        candidate = self.state.router.version_model(alias, flight.version, flight.path)
         if candidate.adapter in await candidate.engine.adapters():
             await candidate.engine.unload_adapter(candidate.adapter)
 
-    async def _start_canary(self, alias: str, flight: dict[str, Any], started_at: str) -> None:
-        candidate = self.state.router.version_model(alias, flight["version"], flight["path"])
+    async def _start_canary(self, alias: str, flight: Version, started_at: str) -> None:
+        candidate = self.state.router.version_model(alias, flight.version, flight.path)
         await self.state.router.start_canary(CanarySplit(served=candidate, fraction=self.settings.loop.canary.fraction,
                                                          started_at=started_at))
 
     async def _judge_canary(self, alias: str) -> Outcome:
-        link, config = self.state.store_link, self.settings.loop.canary
+        store, config = self.state.store, self.settings.loop.canary
         split = self.state.router.canaries[alias]
         baseline, candidate = self.state.router.get(alias).version, split.served.version
-        rows = (await link.op("canary_rewards", alias=alias, since=split.started_at,
-                              versions_in=[baseline, candidate]))["rewards"]
-        finished = [Finished(at=r["at"], candidate=r["version"] == candidate, context=r["context"], reward=r["reward"])
+        rows = await store.canary_rewards(alias, datetime.fromisoformat(split.started_at), [baseline, candidate])
+        finished = [Finished(at=r.at, candidate=r.version == candidate, context=r.context, reward=r.reward)
                     for r in rows]
         ours = [r.reward for r in finished if r.candidate]
         theirs = [r.reward for r in finished if not r.candidate]
@@ -399,25 +403,24 @@ class Loop:
                 online["decision"] = "handed_over"
                 reason = (f"canary: handed over to version {newer} undecided after {test.pairs} pairs "
                           f"(p(better)={test.better.p_value:.3f}, p(worse)={test.worse.p_value:.3f})")
-                await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
-                              reason=reason)
+                await store.decide(alias, candidate, "rejected", reason, gate={"online": online})
                 await self.state.router.stop_canary(alias)
                 return Outcome("ok", f"version {candidate} {reason[len('canary: '):]}", counts)
-            await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
+            await store.record_gate(alias, candidate, {"online": online})
             return Outcome("waiting", f"canary: {test.pairs} pairs ({same} on the same context), "
                                       f"p(better)={test.better.p_value:.3f}", counts)
         if decision == "better" or (decision == "max_pairs" and config.on_max == "promote"):
             shown = (f"better than version {baseline} (p={test.better.p_value:.4f}" if decision == "better" else
                      f"not shown worse than version {baseline} by max_pairs (on_max = promote; "
                      f"p(worse)={test.worse.p_value:.4f}")
-            await link.op("record_gate", alias=alias, version=candidate, gate={"online": online})
+            await store.record_gate(alias, candidate, {"online": online})
             await promote_version(self.state, alias, candidate, reason=f"canary: {shown}, {test.pairs} pairs)")
             return Outcome("ok", f"version {candidate} promoted by the canary", counts)
         shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
                  f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
         # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
-        await link.op("decide", alias=alias, version=candidate, status="rejected", gate={"online": online},
-                      reason=f"canary: {shown}, {test.pairs} pairs)")
+        await store.decide(alias, candidate, "rejected", f"canary: {shown}, {test.pairs} pairs)",
+                           gate={"online": online})
         await self.state.router.stop_canary(alias)
         return Outcome("ok", f"version {candidate} rejected by the canary", counts)
 
@@ -426,35 +429,35 @@ class Loop:
         after = self.settings.loop.canary.hand_over_pairs
         if after is None or pairs < after:
             return None
-        waiting = (await self.state.store_link.op("serving"))[alias]["waiting"]
-        return int(waiting["version"]) if waiting is not None else None
+        waiting = (await self.state.store.serving())[alias].waiting
+        return waiting.version if waiting is not None else None
 
     async def _monitor(self, alias: str) -> Outcome:
         """After a promotion: the new version's live rewards against its predecessor's recorded ones."""
-        link, config = self.state.store_link, self.settings.loop.monitor
-        current = (await link.op("serving"))[alias]["serving"]
-        if current is None or current.get("previous_version") is None or not current.get("promoted_at"):
+        store, config = self.state.store, self.settings.loop.monitor
+        current = (await store.serving())[alias].serving
+        if current is None or current.previous_version is None or current.promoted_at is None:
             return Outcome("idle", "nothing promoted to watch")
-        watched = (current.get("gate") or {}).get("monitor") or {}
+        watched = (current.gate or {}).get("monitor") or {}
         if watched.get("finished"):
-            return Outcome("idle", f"version {current['version']} passed its monitor")
-        previous, version = current["previous_version"], current["version"]
-        ours = [r["reward"] for r in (await link.op("rewards", alias=alias, since=current["promoted_at"],
-                                                    versions_in=[version]))["rewards"]]
-        theirs = [r["reward"] for r in (await link.op("rewards", alias=alias, until=current["promoted_at"],
-                                                      versions_in=[previous]))["rewards"]][-config.baseline:]
+            return Outcome("idle", f"version {current.version} passed its monitor")
+        previous, version = current.previous_version, current.version
+        since = await store.rewards(alias, since=current.promoted_at, versions_in=[version])
+        before = await store.rewards(alias, until=current.promoted_at, versions_in=[previous])
+        ours = [r.reward for r in since.rewards]
+        theirs = [r.reward for r in before.rewards][-config.baseline:]
         canary = self.settings.loop.canary
         test = SequentialTest(alpha=config.alpha, margin=config.margin, max_pairs=config.max_pairs,
                               low=canary.reward_min, high=canary.reward_max)
         decision = test.add_all(ours, theirs)
         summary = {**test.summary(), "baseline_version": previous, "n_new": len(ours), "n_baseline": len(theirs)}
         if decision == "worse":
-            await link.op("record_gate", alias=alias, version=version, gate={"monitor": {**summary, "finished": True}})
+            await store.record_gate(alias, version, {"monitor": {**summary, "finished": True}})
             await promote_version(self.state, alias, previous, replaced_status="rolled_back",
                                   reason=f"monitor: version {version} dropped below version {previous} "
                                          f"(p={test.worse.p_value:.4f}, {test.pairs} pairs)")
             return Outcome("ok", f"version {version} rolled back to {previous}", {"pairs": test.pairs})
         finished = decision in ("better", "max_pairs")  # shown no worse for long enough: stop watching
-        await link.op("record_gate", alias=alias, version=version, gate={"monitor": {**summary, "finished": finished}})
+        await store.record_gate(alias, version, {"monitor": {**summary, "finished": finished}})
         return Outcome("waiting", f"monitor: {test.pairs} pairs, p(worse)={test.worse.p_value:.3f}",
                        {"pairs": test.pairs})

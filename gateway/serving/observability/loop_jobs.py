@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.store_api import StoreApi
 from flywheel.gateway.core.tracing import Tracing
 from flywheel.gateway.serving.observability.tracking import Tracker, numbers
 
@@ -33,9 +34,9 @@ class Observability:
         self.store_spans: dict[str, int] = {}  # the store process's span counts, as of the last /metrics
 
     @classmethod
-    def start(cls, settings: Settings, read: Callable[..., Awaitable[Any]]) -> Observability:
-        """``read``: the store operations (``StoreLink.op``), for the tracker."""
-        return cls(Tracing.start(settings.telemetry, process="gateway"), Tracker.start(settings, read))
+    def start(cls, settings: Settings, store: StoreApi) -> Observability:
+        """``store``: where the tracker reads versions and rewards."""
+        return cls(Tracing.start(settings.telemetry, process="gateway"), Tracker.start(settings, store))
 
     async def run_job(self, job: str, alias: str | None, run: Callable[[], Awaitable[JobResult]]) -> JobResult:
         """Run one loop job; then its span, and the tracker's cue when it did something."""

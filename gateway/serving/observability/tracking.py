@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.store_api import RewardByVersion, StoreApi, Version
 from flywheel.gateway.core.tracing import require
 
 log = logging.getLogger("flywheel.tracking")
@@ -61,20 +62,21 @@ class Changes:
         self.seen[(what, version)] = fingerprint
         return True
 
-    def records(self, versions: list[dict[str, Any]], rewards: dict[str, Any]) -> list[Record]:
+    def records(self, versions: list[Version], rewards: RewardByVersion) -> list[Record]:
         """New records from the alias's versions (oldest first) and its reward per version."""
         out: list[Record] = []
-        for row in sorted(versions, key=lambda r: r["version"]):
-            version = row["version"]
-            if row.get("metrics") and self._new("round", version, row["metrics"]):
-                out.append({"version": version, **numbers("", row["metrics"])})
-            for stage, result in (row.get("gate") or {}).items():
+        for row in sorted(versions, key=lambda r: r.version):
+            version = row.version
+            if row.metrics and self._new("round", version, row.metrics):
+                out.append({"version": version, **numbers("", row.metrics)})
+            for stage, result in (row.gate or {}).items():
                 if isinstance(result, dict) and self._new(f"gate/{stage}", version, result):
                     out.append({"version": version, **numbers(f"gate/{stage}/", result)})
-        for key, summary in sorted((rewards.get("versions") or {}).items(), key=lambda item: int(item[0])):
-            if self._new("live_reward", int(key), summary):
-                out.append({"version": int(key), **numbers("live_reward/", summary)})
-        serving = next((r["version"] for r in versions if r["status"] == "promoted"), 0)
+        for key, summary in sorted(rewards.versions.items(), key=lambda item: int(item[0])):
+            shown = summary.model_dump(exclude_none=True)
+            if self._new("live_reward", int(key), shown):
+                out.append({"version": int(key), **numbers("live_reward/", shown)})
+        serving = next((r.version for r in versions if r.status == "promoted"), 0)
         if serving != self.serving:
             self.serving = serving
             out.append({"version": serving, "serving/version": serving})
@@ -149,8 +151,8 @@ class WandbWriter:
 class Tracker:
     """Cues from the loop in, records to W&B out; off (None from :meth:`start`) without ``[tracking] report_to``."""
 
-    def __init__(self, settings: Settings, read: Any) -> None:
-        self.read = read  # async (op name, **kwargs) -> the store operation's answer: StoreLink.op
+    def __init__(self, settings: Settings, store: StoreApi) -> None:
+        self.store = store
         self.aliases = list(settings.aliases)
         self.writer = WandbWriter(settings)
         self.changes = {alias: Changes() for alias in self.aliases}
@@ -159,11 +161,11 @@ class Tracker:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def start(cls, settings: Settings, read: Any) -> Tracker | None:
+    def start(cls, settings: Settings, store: StoreApi) -> Tracker | None:
         if not settings.tracking.report_to:
             return None
         require("wandb", "tracking")
-        tracker = cls(settings, read)
+        tracker = cls(settings, store)
         tracker.writer.thread.start()
         tracker._task = asyncio.create_task(tracker._refresh_loop(), name="flywheel-tracking")
         for alias in tracker.aliases:  # the history the store holds, first
@@ -196,8 +198,8 @@ class Tracker:
         while self._pending:
             alias = self._pending.pop()
             try:
-                versions = await self.read("versions", alias=alias)
-                rewards = await self.read("reward_by_version", alias=alias)
+                versions = await self.store.versions(alias)
+                rewards = await self.store.reward_by_version(alias)
             except Exception as exc:  # the store process is restarting: the next cue tries again
                 log.warning("tracking: could not read %s from the store (%s)", alias, exc)
                 continue

@@ -67,7 +67,7 @@ async def switch_alias_adapter(alias: str, request: Request) -> Response:
     state.router.get(alias)
     if switch.path is not None:
         path = adapter_directory(state, switch.path)
-        version = (await register_adapter(state, alias, path, source="manual"))["version"]
+        version = (await register_adapter(state, alias, path, source="manual")).version
     elif switch.version is not None:
         version = switch.version
     elif "path" in body:  # {"path": null}: back to the base model

@@ -61,22 +61,21 @@ async def status(request: Request) -> Response:
 
 
 async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
-    link = state.store_link
+    store = state.store
     served = state.router.get(alias)
-    rows = (await link.op("serving"))[alias]
+    rows = (await store.serving())[alias]
     canary = state.router.canaries.get(alias)
-    flight = rows["in_flight"]
-    last_runs = await link.op("last_runs", alias=alias, jobs=[*GLOBAL_JOBS, *ALIAS_JOBS])
+    flight = rows.in_flight
     return {
         "alias": alias,
-        "serving": {**alias_info(served), "row": rows["serving"]},
+        "serving": {**alias_info(served), "row": rows.serving},
         "candidate": flight,
         "canary": {"version": canary.served.version, "fraction": canary.fraction, "started_at": canary.started_at,
-                   "ab": ((flight or {}).get("gate") or {}).get("online")} if canary else None,
-        "monitor": ((rows["serving"] or {}).get("gate") or {}).get("monitor"),
-        "pending": await link.op("pending", alias=alias),
-        "jobs": last_runs,
-        "reward_by_version": await link.op("reward_by_version", alias=alias),
+                   "ab": ((flight.gate if flight else None) or {}).get("online")} if canary else None,
+        "monitor": ((rows.serving.gate if rows.serving else None) or {}).get("monitor"),
+        "pending": await store.pending(alias),
+        "jobs": await store.last_runs(alias, [*GLOBAL_JOBS, *ALIAS_JOBS]),
+        "reward_by_version": (await store.reward_by_version(alias)).model_dump(exclude_none=True),
         "loop": {"enabled": state.settings.loop.enabled, "workers": state.settings.train.workers,
                  "gate": state.settings.loop.gate.offline,
                  "canary": state.settings.loop.canary.enabled, "monitor": state.settings.loop.monitor.enabled},
@@ -88,7 +87,7 @@ async def list_versions(alias: str, request: Request) -> Response:
     state = await _admin(request)
     state.router.get(alias)
     return json_response({"alias": alias, "serving": state.router.get(alias).version,
-                          "data": await state.store_link.op("versions", alias=alias)})
+                          "data": await state.store.versions(alias)})
 
 
 class RewardsQuery(BaseModel):
@@ -100,13 +99,12 @@ async def list_rewards(alias: str, request: Request) -> Response:
     """Every finished, rewarded conversation of the alias in the order it closed: version, reward, time."""
     state = await _admin(request)
     state.router.get(alias)
-    since = request.query_params.get("since")
-    if since is not None:
-        try:
-            datetime.fromisoformat(since)
-        except ValueError:
-            raise BadRequest("Invalid value for 'since': an ISO 8601 time", param="since") from None
-    return json_response(await state.store_link.op("rewards", alias=alias, since=since))
+    raw = request.query_params.get("since")
+    try:
+        since = datetime.fromisoformat(raw) if raw is not None else None
+    except ValueError:
+        raise BadRequest("Invalid value for 'since': an ISO 8601 time", param="since") from None
+    return json_response(await state.store.rewards(alias, since=since))
 
 
 class PromoteRequest(BaseModel):
@@ -147,7 +145,7 @@ async def rollback_by_hand(state: GatewayState, alias: str, version: int | None 
                            reason: str = "rolled back by hand") -> ServedModel:
     """Back to ``version`` (None: the one served before the current one); the current one is ``rolled_back``."""
     if version is None:
-        version = await state.store_link.op("rollback_target", alias=alias)
+        version = await state.store.rollback_target(alias)
     await _end_canary(state, alias)
     return await promote_version(state, alias, version, replaced_status="rolled_back", reason=reason)
 
@@ -156,8 +154,8 @@ async def _end_canary(state: GatewayState, alias: str, unless_version: int | Non
     split = state.router.canaries.get(alias)
     if split is not None and split.served.version != unless_version:
         # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
-        await state.store_link.op("decide", alias=alias, version=split.served.version, status="rejected",
-                                  reason="canary stopped: another version was chosen by hand")
+        await state.store.decide(alias, split.served.version, "rejected",
+                                 "canary stopped: another version was chosen by hand")
         await state.router.stop_canary(alias)
 
 
@@ -172,10 +170,10 @@ async def add_candidate(alias: str, request: Request) -> Response:
     body = await _body(request, CandidateRequest, state)
     state.router.get(alias)
     path = adapter_directory(state, body["path"])
-    rows = (await state.store_link.op("serving"))[alias]
-    busy = rows["training"] or rows["waiting"]
+    rows = (await state.store.serving())[alias]
+    busy = rows.training or rows.waiting
     if busy is not None:  # like the loop's rounds: one may wait while a canary runs, not two
-        raise Conflict(f"{alias} already has version {busy['version']} in flight ({busy['status']})")
+        raise Conflict(f"{alias} already has version {busy.version} in flight ({busy.status})")
     return json_response(await register_adapter(state, alias, path, source="manual"))
 
 
@@ -192,9 +190,9 @@ async def train_now(alias: str, request: Request) -> Response:
     body = TrainRequest.model_validate(await _body(request, TrainRequest, state))
     state.router.get(alias)
     loop = Loop.of(request)
-    flight = (await state.store_link.op("serving"))[alias]["in_flight"]
-    if flight is not None and flight["status"] == "training":
-        raise Conflict(f"{alias} is already training version {flight['version']}")
+    flight = (await state.store.serving())[alias].in_flight
+    if flight is not None and flight.status == "training":
+        raise Conflict(f"{alias} is already training version {flight.version}")
     async with loop.lock("train", alias):
         result = await loop.child.run(alias, body.group_ids, body.args)
     if result.reply is None or result.reply.summary is None:

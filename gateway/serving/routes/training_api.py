@@ -24,17 +24,19 @@ import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.responses import FileResponse, Response
 
+from flywheel.capture.batches import TrainingGroup
 from flywheel.gateway.core.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from flywheel.gateway.core.http import json_response, read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.core.store_api import Version
 from flywheel.gateway.core.training_config import base_model_path, grpo_args
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop.promotion import promote_version
@@ -78,11 +80,11 @@ async def get_batch(request: Request) -> Response:
     args = asdict(grpo_args(state.settings, base))
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
     if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
-        groups: list[dict[str, object]] = []  # trainer workers ask often: a round only when the loop would train
+        groups: list[TrainingGroup] = []  # trainer workers ask often: a round only when the loop would train
     else:
-        groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
-    head = await state.store_link.op("training_head", alias=alias)
-    current = {"version": head["version"], "path": head["path"]} if head else None
+        groups = await state.store.training_batch(alias, int(raw), group_ids)
+    head = await state.store.training_head(alias)
+    current = {"version": head.version, "path": head.path} if head else None
     return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
 
 
@@ -90,9 +92,9 @@ async def _worker_round_due(request: Request, state: GatewayState, alias: str) -
     """``[train] workers``: the loop's rule (``loop.min_groups``, ``loop.train_every_s``), one version in flight."""
     from flywheel.gateway.serving.loop.scheduler import Loop, training_due
 
-    if (await state.store_link.op("serving"))[alias]["in_flight"] is not None:
+    if (await state.store.serving())[alias].in_flight is not None:
         return False
-    pending = await state.store_link.op("pending", alias=alias)
+    pending = await state.store.pending(alias)
     return training_due(pending, state.settings.loop, Loop.of(request).started_at)
 
 
@@ -105,10 +107,10 @@ async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
     served = state.router.get(body.alias)
-    head = await state.store_link.op("training_head", alias=body.alias)  # what the round continues from
-    row = await state.store_link.op("reserve_version", alias=body.alias, base_model=served.base_model,
-                                    parent_version=head["version"] if head else None,
-                                    alone=state.settings.train.workers)  # workers: never two rounds at once
+    head = await state.store.training_head(body.alias)  # what the round continues from
+    row = await state.store.reserve_version(body.alias, served.base_model,
+                                            parent_version=head.version if head else None,
+                                            alone=state.settings.train.workers)  # workers: never two rounds at once
     return json_response(row)
 
 
@@ -126,8 +128,9 @@ async def post_round(request: Request) -> Response:
     """Record a finished round (the version becomes a candidate); with ``promote``, serve it at once."""
     state, report = await _admin_body(request, RoundReport)
     served = state.router.get(report.alias)
-    adapter = await state.store_link.op("record_round", **report.model_dump(mode="json", exclude={"promote"}),
-                                        promote=False)  # the store would promote without the engine: see below
+    adapter = await state.store.record_round(report.alias, report.version, report.parent_version,
+                                             promote=False,  # the store would promote without the engine: below
+                                             result=report.result, batch_group_ids=report.batch_group_ids)
     if report.promote and adapter is not None:
         served = await promote_version(state, report.alias, report.version, reason="promoted by hand (--promote)")
     return json_response({"adapter_version": adapter, "served": alias_info(served)})
@@ -145,15 +148,16 @@ async def post_failure(request: Request) -> Response:
     """A round that raised: its run is recorded failed, its groups stay for the next round."""
     state, report = await _admin_body(request, FailureReport)
     state.router.get(report.alias)
-    return json_response(await state.store_link.op("record_failed_round", **report.model_dump(mode="json")))
+    return json_response(await state.store.record_failed_round(report.alias, report.version, report.error,
+                                                               report.group_ids))
 
 
-async def _version_row(request: Request, alias: str, version: int) -> tuple[GatewayState, dict[str, Any]]:
+async def _version_row(request: Request, alias: str, version: int) -> tuple[GatewayState, Version]:
     state = GatewayState.of(request)
     state.auth.admin(request)
     state.router.get(alias)
-    rows = await state.store_link.op("versions", alias=alias)
-    row = next((r for r in rows if r["version"] == version), None)
+    rows = await state.store.versions(alias)
+    row = next((r for r in rows if r.version == version), None)
     if row is None:
         raise NotFound(f"{alias} has no version {version}.", param="version", code="version_not_found")
     return state, row
@@ -165,12 +169,12 @@ async def download_adapter(alias: str, version: int, request: Request) -> Respon
     from flywheel.trainer import adapters
 
     _, row = await _version_row(request, alias, version)
-    if not adapters.is_complete(row["path"]):
-        raise NotFound(f"{alias} version {version} has no adapter files ({row['status']}).", param="version",
+    if not adapters.is_complete(row.path):
+        raise NotFound(f"{alias} version {version} has no adapter files ({row.status}).", param="version",
                        code="version_not_found")
     fd, archive = tempfile.mkstemp(suffix=".tar")
     with os.fdopen(fd, "wb") as out:
-        await asyncio.to_thread(adapters.pack, row["path"], out)
+        await asyncio.to_thread(adapters.pack, row.path, out)
     return FileResponse(archive, media_type="application/x-tar", filename=f"{alias}-{version}.tar",
                         background=BackgroundTask(os.unlink, archive))
 
@@ -181,13 +185,13 @@ async def upload_adapter(alias: str, version: int, request: Request) -> Response
     from flywheel.trainer import adapters
 
     state, row = await _version_row(request, alias, version)
-    if row["status"] != "training" or adapters.is_complete(row["path"]):
-        state_now = "uploaded already" if row["status"] == "training" else row["status"]
+    if row.status != "training" or adapters.is_complete(row.path):
+        state_now = "uploaded already" if row.status == "training" else row.status
         raise Conflict(f"{alias} version {version} is {state_now}: only a reserved version (training) takes an "
                        "upload, once.", param="version", code="version_not_training")
     limit = state.settings.train.max_upload_mb * 1024 * 1024
-    Path(row["path"]).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=Path(row["path"]).parent) as spool:  # beside it: the same filesystem
+    Path(row.path).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=Path(row.path).parent) as spool:  # beside it: the same filesystem
         size = 0
         async for chunk in request.stream():  # to disk, not memory: an adapter with its optimizer state is large
             size += len(chunk)
@@ -196,7 +200,7 @@ async def upload_adapter(alias: str, version: int, request: Request) -> Response
             await asyncio.to_thread(spool.write, chunk)
         spool.seek(0)
         try:
-            names = await asyncio.to_thread(adapters.unpack, spool, row["path"])
+            names = await asyncio.to_thread(adapters.unpack, spool, row.path)
         except adapters.AdapterError as exc:
             raise BadRequest(f"Invalid adapter upload: {exc}", param="body") from None
     return json_response({"alias": alias, "version": version, "files": names, "bytes": size})

@@ -55,10 +55,8 @@ def trajectory_filters(params: dict[str, str]) -> dict[str, Any]:
 async def trajectories(request: Request) -> Response:
     viewer = common.viewer(request)
     params = {key: request.query_params.get(key, "").strip() for key in (*FILTERS, "after")}
-    listed = await common.read(request, "ui_trajectories", filters=trajectory_filters(params), limit=PAGE_SIZE,
-                               after=params["after"] or None)
-    if "error" in listed:  # an unknown cursor
-        raise PageError(400, listed["error"]["message"])
+    listed = await common.read(common.store(request).ui_trajectories(trajectory_filters(params), PAGE_SIZE,
+                                                                     params["after"] or None))
     kept = {key: value for key, value in params.items() if value and key != "after"}
     return page(request, viewer, "trajectories.html", rows=listed["data"], has_more=listed["has_more"],
                 last_id=listed["last_id"], params=params, kept=kept, aliases=common.aliases(request),
@@ -68,7 +66,7 @@ async def trajectories(request: Request) -> Response:
 @router.get("/trajectories/{trajectory_id:path}")
 async def trajectory(trajectory_id: str, request: Request) -> Response:
     viewer = common.viewer(request)
-    detail = await common.read_one(request, "ui_trajectory", "trajectory", trajectory_id, trajectory_id=trajectory_id)
+    detail = await common.read_one(common.store(request).ui_trajectory(trajectory_id), "trajectory", trajectory_id)
     branches = detail["branches"] or [[]]
     raw = request.query_params.get("branch")
     if raw is not None and not (raw.isdigit() and 1 <= int(raw) <= len(branches)):
@@ -86,7 +84,7 @@ async def groups(request: Request) -> Response:
     if alias is not None:
         common.known_alias(request, alias)
     status = request.query_params.get("status") or None
-    rows = await common.read(request, "ui_groups", alias=alias, status=status, limit=200)
+    rows = await common.read(common.store(request).ui_groups(alias, status, limit=200))
     return page(request, viewer, "groups.html", rows=rows, alias=alias, status_filter=status,
                 aliases=common.aliases(request))
 
@@ -94,7 +92,7 @@ async def groups(request: Request) -> Response:
 @router.get("/groups/{group_id:path}")
 async def group(group_id: str, request: Request) -> Response:
     viewer = common.viewer(request)
-    found = await common.read_one(request, "ui_group", "group", group_id, group_id=group_id)
+    found = await common.read_one(common.store(request).ui_group(group_id), "group", group_id)
     members = []
     for member in found["members"]:
         detail = member["trajectory"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import TypeVar
 from urllib.parse import parse_qs
 
 from starlette.requests import Request
 
 from flywheel.gateway.core.errors import OpenAIError
 from flywheel.gateway.core.http import read_body
+from flywheel.gateway.core.store_api import StoreApi
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.ui.session import PageError, Sessions, Viewer
 
@@ -24,17 +26,24 @@ def viewer(request: Request, *, page: bool = True) -> Viewer:
     return sessions(request).viewer(request, page=page)
 
 
-async def read(request: Request, name: str, **kwargs: Any) -> Any:
-    """A store operation's answer (``gateway/storeproc/dashboard_ops.py`` and the loop's), or a readable error page."""
+T = TypeVar("T")
+
+
+def store(request: Request) -> StoreApi:
+    return GatewayState.of(request).store
+
+
+async def read(answer: Awaitable[T]) -> T:
+    """A store read's answer (``core/store_api.py``), or a readable error page."""
     try:
-        return await GatewayState.of(request).store_link.op(name, **kwargs)
+        return await answer
     except OpenAIError as exc:  # the store process is restarting (502), or refused the arguments
         raise PageError(exc.status_code, exc.message) from None
 
 
-async def read_one(request: Request, name: str, kind: str, identifier: str, **kwargs: Any) -> Any:
-    """A store operation's answer about one thing, or a 404 page when it answers None (no such thing)."""
-    found = await read(request, name, **kwargs)
+async def read_one(answer: Awaitable[T | None], kind: str, identifier: str) -> T:
+    """A store read's answer about one thing, or a 404 page when it answers None (no such thing)."""
+    found = await read(answer)
     if found is None:
         raise PageError(404, f"No {kind} found with id {identifier!r}.")
     return found

@@ -22,10 +22,6 @@ router = APIRouter(prefix=PATH)
 WINDOWS = {"15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
 
 
-def unix(text: str) -> float:
-    return datetime.fromisoformat(text).timestamp()
-
-
 @router.get("")
 @router.get("/")
 async def overview(request: Request) -> Response:
@@ -45,12 +41,12 @@ async def alias_card(request: Request, alias: str, window_s: int) -> dict[str, A
         raise PageError(exc.status_code, exc.message) from None
     now = time.time()
     since = now - window_s
-    rewards = (await common.read(request, "rewards", alias=alias))["rewards"]
+    store = common.store(request)
+    rewards = (await common.read(store.rewards(alias))).rewards
     bucket_s = max(1, window_s // 8640)  # the traffic's resolution: at most 8640 buckets a window
-    traffic = await common.read(request, "ui_traffic", alias=alias, bucket_s=bucket_s,
-                                since=datetime.fromtimestamp(since, tz=UTC).isoformat())
-    points = [(unix(r["closed_at"]), r["version"], r["reward"]) for r in rewards if r["closed_at"]]
-    counts = [(float(t["start"]), t["version"], t["turns"]) for t in traffic]
+    traffic = await common.read(store.ui_traffic(alias, datetime.fromtimestamp(since, tz=UTC), bucket_s))
+    points = [(r.closed_at.timestamp(), r.version, r.reward) for r in rewards if r.closed_at]
+    counts = [(float(t.start), t.version, t.turns) for t in traffic]
     timeline = Timeline.covering([p[0] for p in points] + [c[0] for c in counts], since, now, min_slot_s=bucket_s)
     shown = sorted({v for _, v, _ in points if v is not None} | {v for _, v, _ in counts})
     turns: dict[int, int] = {}
@@ -58,4 +54,4 @@ async def alias_card(request: Request, alias: str, window_s: int) -> dict[str, A
         turns[version] = turns.get(version, 0) + n
     return {"alias": alias, "status": status, "reward_chart": reward_chart(points, timeline),
             "traffic_chart": traffic_chart(counts, timeline), "legend": [(v, series_class(v)) for v in shown],
-            "turns": turns, "failures": await common.read(request, "ui_failed_jobs", alias=alias, limit=5)}
+            "turns": turns, "failures": await common.read(store.ui_failed_jobs(alias, limit=5))}

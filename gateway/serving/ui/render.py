@@ -30,11 +30,11 @@ SECURITY_HEADERS = {
 }
 
 
-def when(value: str | None) -> str:
-    """An ISO 8601 time as ``2026-01-31 14:05:09 UTC``."""
+def when(value: datetime | str | None) -> str:
+    """A time (or its ISO 8601 text) as ``2026-01-31 14:05:09 UTC``."""
     if not value:
         return "—"
-    moment = datetime.fromisoformat(value)
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(value)
     moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 

@@ -38,7 +38,7 @@ async def first_alias(request: Request) -> Response:
 async def versions(alias: str, request: Request) -> Response:
     viewer = common.viewer(request)
     common.known_alias(request, alias)
-    rows = (await common.read(request, "versions", alias=alias))[::-1]  # newest first
+    rows = (await common.read(common.store(request).versions(alias)))[::-1]  # newest first
     serving = GatewayState.of(request).router.get(alias).version
     done = request.query_params.get("done")
     return page(request, viewer, "versions.html", alias=alias, rows=rows, serving=serving,
@@ -55,7 +55,7 @@ async def confirm(alias: str, action: str, request: Request) -> Response:
     if action == "promote":
         target = version_number(request.query_params.get("version"))
     elif action == "rollback":
-        target = await common.read(request, "rollback_target", alias=alias)
+        target = await common.read(common.store(request).rollback_target(alias))
     else:
         raise PageError(404, f"No such action {action!r}: promote or rollback.")
     canary = state.router.canaries.get(alias)

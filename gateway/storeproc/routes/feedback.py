@@ -103,7 +103,7 @@ async def form_groups_now(request: Request) -> Response:
     state.auth.admin(request)
     await state.caught_up(request)
     formed = await asyncio.to_thread(store_ops.run_group_formation, state.store, state.settings)
-    return json_response(formed)
+    return json_response({"formed": formed})
 
 
 @router.post("/jobs/score", openapi_extra=query(ScoreQuery), responses=ERRORS)

@@ -1,0 +1,187 @@
+""":class:`LocalStore`: the store interface (``core/store_api.py``) run on an open store, in this process.
+
+The store process answers the serving process with it (``/internal/store/{method}``: :func:`answer`),
+and tests and tools use it directly. Blocking reads and writes run on a worker thread, so the event
+loop keeps taking captured turns meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
+
+from flywheel.capture.batches import TrainingGroup
+from flywheel.capture.store import Store
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.errors import BadRequest
+from flywheel.gateway.core.store_api import (
+    METHODS,
+    AliasVersions,
+    CanaryReward,
+    FormedGroup,
+    HeldoutContext,
+    JobRunRecord,
+    Pending,
+    Promoted,
+    Recovered,
+    RewardByVersion,
+    Rewards,
+    ScoreCounts,
+    StoreApi,
+    TrafficBucket,
+    Version,
+)
+from flywheel.gateway.storeproc import dashboard_ops, store_ops
+
+T = TypeVar("T")
+
+
+class LocalStore:
+    """:class:`StoreApi` on ``store`` with ``settings``."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+
+    async def _run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(function, self.store, self.settings, *args, **kwargs)
+
+    async def close_idle(self) -> int:
+        return await self._run(store_ops.close_idle)
+
+    async def form_groups(self) -> list[FormedGroup]:
+        return await self._run(store_ops.run_group_formation)
+
+    async def score(self, alias: str | None = None) -> ScoreCounts:
+        return await store_ops.score(self.store, self.settings, alias)
+
+    async def pending(self, alias: str) -> Pending:
+        return await self._run(store_ops.pending, alias)
+
+    async def recover(self, rounds: bool = True) -> Recovered:
+        return await self._run(store_ops.recover, rounds)
+
+    async def job_started(self, job: str, alias: str | None) -> str:
+        return await self._run(store_ops.job_started, job, alias)
+
+    async def job_finished(self, run_id: str, status: str, counts: dict[str, Any] | None = None,
+                           detail: str | None = None, error: str | None = None) -> None:
+        await self._run(store_ops.job_finished, run_id, status, counts, detail, error)
+
+    async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
+        return await self._run(store_ops.last_runs, alias, jobs)
+
+    async def training_batch(self, alias: str, max_groups: int,
+                             group_ids: list[str] | None = None) -> list[TrainingGroup]:
+        return await self._run(store_ops.batch, alias, max_groups, group_ids)
+
+    async def reserve_version(self, alias: str, base_model: str, source: str = "trained", status: str = "training",
+                              path: str | None = None, parent_version: int | None = None,
+                              alone: bool = False) -> Version:
+        return await self._run(store_ops.reserve_version, alias, base_model, source, status, path, parent_version,
+                               alone)
+
+    async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
+                           result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:
+        return await self._run(store_ops.record_round, alias, version, parent_version, promote, result,
+                               batch_group_ids)
+
+    async def record_failed_round(self, alias: str, version: int, error: str,
+                                  group_ids: list[str] | None = None) -> Version:
+        return await self._run(store_ops.failed_round, alias, version, error, group_ids)
+
+    async def versions(self, alias: str) -> list[Version]:
+        return await self._run(store_ops.list_versions, alias)
+
+    async def serving(self) -> dict[str, AliasVersions]:
+        return await self._run(store_ops.serving)
+
+    async def training_head(self, alias: str) -> Version | None:
+        return await self._run(store_ops.training_head, alias)
+
+    async def promote(self, alias: str, version: int, reason: str, replaced_status: str = "retired") -> Promoted:
+        return await self._run(store_ops.promote, alias, version, reason, replaced_status)
+
+    async def rollback_target(self, alias: str) -> int:
+        return await self._run(store_ops.rollback_target, alias)
+
+    async def decide(self, alias: str, version: int, status: str, reason: str,
+                     gate: dict[str, Any] | None = None) -> Version:
+        return await self._run(store_ops.decide, alias, version, status, reason, gate)
+
+    async def record_gate(self, alias: str, version: int, gate: dict[str, Any]) -> Version:
+        return await self._run(store_ops.record_gate, alias, version, gate)
+
+    async def rewards(self, alias: str, since: datetime | None = None, until: datetime | None = None,
+                      versions_in: list[int] | None = None) -> Rewards:
+        return await self._run(store_ops.rewards, alias, since, until, versions_in)
+
+    async def canary_rewards(self, alias: str, since: datetime, versions_in: list[int]) -> list[CanaryReward]:
+        return await self._run(store_ops.canary_rewards, alias, since, versions_in)
+
+    async def reward_by_version(self, alias: str) -> RewardByVersion:
+        return await self._run(store_ops.reward_by_version, alias)
+
+    async def heldout_contexts(self, alias: str, count: int) -> list[HeldoutContext]:
+        return await self._run(store_ops.heldout_contexts, alias, count)
+
+    async def ui_trajectories(self, filters: dict[str, Any], limit: int = 50,
+                              after: str | None = None) -> dict[str, Any]:
+        return await self._run(dashboard_ops.trajectories, filters, limit, after)
+
+    async def ui_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
+        return await self._run(dashboard_ops.trajectory, trajectory_id)
+
+    async def ui_groups(self, alias: str | None = None, status: str | None = None,
+                        limit: int = 100) -> list[dict[str, Any]]:
+        return await self._run(dashboard_ops.groups, alias, status, limit)
+
+    async def ui_group(self, group_id: str) -> dict[str, Any] | None:
+        return await self._run(dashboard_ops.group, group_id)
+
+    async def ui_traffic(self, alias: str, since: datetime, bucket_s: int) -> list[TrafficBucket]:
+        return await self._run(dashboard_ops.traffic, alias, since, bucket_s)
+
+    async def ui_failed_jobs(self, alias: str, limit: int = 10) -> list[JobRunRecord]:
+        return await self._run(dashboard_ops.failed_jobs, alias, limit)
+
+
+def _implements(local: type[LocalStore]) -> type[StoreApi]:
+    return local  # mypy checks here that LocalStore is a StoreApi
+
+
+_implements(LocalStore)
+
+
+@functools.cache
+def _arguments(method: str) -> type[BaseModel]:
+    """A model of ``method``'s parameters, from the Protocol: its types and defaults, nothing else admitted."""
+    hints = get_type_hints(getattr(StoreApi, method))
+    parameters = list(inspect.signature(getattr(StoreApi, method)).parameters.values())[1:]  # after self
+    fields: dict[str, Any] = {p.name: (hints[p.name], ... if p.default is inspect.Parameter.empty else p.default)
+                              for p in parameters}
+    return create_model(f"{method}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+@functools.cache
+def _result(method: str) -> TypeAdapter[Any]:
+    return TypeAdapter(get_type_hints(getattr(StoreApi, method))["return"])
+
+
+async def answer(local: LocalStore, method: str, arguments: Any) -> Any:
+    """``method``'s answer to ``arguments`` (JSON), as JSON: both checked against the Protocol's annotations."""
+    if method not in METHODS:
+        raise BadRequest(f"The store has no method {method!r}.", param="method")
+    try:
+        checked = _arguments(method).model_validate(arguments)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in error["loc"]) or "arguments"
+        raise BadRequest(f"{method}: {where}: {error['msg']}", param=where) from None
+    result = await getattr(local, method)(**{name: getattr(checked, name) for name in type(checked).model_fields})
+    return _result(method).dump_python(result, mode="json")
