@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ import pytest
 
 import flywheel
 import flywheel as art
+from flywheel.admin_client import AdminClient, AdminError, AdminUnreachable
 from flywheel.gateway.core.processes import free_port
 from flywheel.judge import JudgeCallError
 from flywheel.rewards import ruler_score_group
@@ -179,6 +181,45 @@ def test_admin_errors_are_typed(gateway: GatewayProcess) -> None:
     closed.close()
     with pytest.raises(flywheel.FlywheelError, match="closed"):
         closed.aliases()
+
+
+def test_the_admin_client_turns_an_error_answer_into_one_typed_exception(gateway: GatewayProcess) -> None:
+    """The client the SDK, the CLI and training rounds share: an error answer is an AdminError carrying what the
+    OpenAI-shaped body says; no answer is AdminUnreachable."""
+    body = {"alias": "agent", "trajectories": [{"messages": QUESTION, "reward": "Infinity"}]}
+    raw = httpx.post(f"{gateway.url}/flywheel/v1/groups", json=body,
+                     headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["error"]
+    with AdminClient(gateway.url, ADMIN_KEY) as admin:
+        with pytest.raises(AdminError) as refused:
+            admin.call("POST", "/flywheel/v1/groups", json=body)
+        error = refused.value
+        assert (error.status, error.code, error.message, error.param) == (
+            400, raw["code"], raw["message"], "trajectories[0].reward")
+        assert (error.method, error.path, str(error)) == ("POST", "/flywheel/v1/groups",
+                                                          f"gateway answered 400: {raw['message']}")
+        with pytest.raises(AdminError) as missing:  # a download streams only a 2xx body into the file
+            admin.download("/flywheel/v1/trajectories/traj_missing/export", archive := io.BytesIO())
+        assert (missing.value.status, missing.value.code, archive.getvalue()) == (404, "not_found", b"")
+    with AdminClient(gateway.url, "wrong") as wrong, pytest.raises(AdminError) as denied:
+        wrong.call("GET", "/flywheel/v1/aliases")
+    assert denied.value.status == 401
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with AdminClient(nowhere, None) as down, pytest.raises(AdminUnreachable) as unreachable:
+        down.call("GET", "/flywheel/v1/aliases")
+    assert str(unreachable.value).startswith(f"gateway at {nowhere} failed: ConnectError")
+
+
+def test_the_gateway_calls_through_the_transport_it_is_given(gateway: GatewayProcess) -> None:
+    paths: list[str] = []
+
+    class Recording(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            paths.append(request.url.path)
+            return super().handle_request(request)
+
+    with flywheel.Gateway(gateway.url, admin_key=ADMIN_KEY, transport=Recording()) as through:
+        assert through.alias("agent")["alias"] == "agent"
+    assert paths == ["/flywheel/v1/aliases"]
 
 
 def captured_group(gateway: GatewayProcess, key: str, rewards: list[float]) -> flywheel.TrajectoryGroup:

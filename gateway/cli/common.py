@@ -14,7 +14,8 @@ The admin key is ``--admin-key``, else ``FLYWHEEL_ADMIN_KEY``, else the configur
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -23,6 +24,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
+from flywheel.admin_client import AdminCallError, AdminClient
 from flywheel.gateway.core.config import Settings, load_settings
 from flywheel.gateway.core.discovery import announced_url, local_url
 
@@ -62,21 +64,6 @@ def settings_or_exit(config: Sequence[Path] | None, **overrides: Any) -> Setting
         fail(f"invalid configuration: {where}: {error['msg']}")
     except ValueError as exc:  # TOML syntax errors
         fail(f"invalid configuration: {exc}")
-
-
-def error_message(response: httpx.Response) -> str:
-    """The message of an OpenAI-shaped error response (the start of the body otherwise)."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
-
-
-def error_code(response: httpx.Response) -> str | None:
-    try:
-        return str(response.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 @dataclass
@@ -143,16 +130,24 @@ def open_store(database: str) -> Store:
         fail(f"cannot open the store {printable_url(database)}: {message}")
 
 
+def admin_client(location: Location, timeout_s: float = 3600.0) -> AdminClient:
+    """A client of the located gateway's admin API (the caller checked that one runs)."""
+    assert location.url is not None, "no gateway was located"
+    return AdminClient(location.url, location.admin_key, timeout=timeout_s)
+
+
+@contextmanager
+def admin_failures() -> Iterator[None]:
+    """A failed admin call (the gateway down, or its error answer) as a one-line CLI error."""
+    try:
+        yield
+    except AdminCallError as exc:
+        fail(str(exc))
+
+
 def admin_call(location: Location, method: str, path: str, params: dict[str, str] | None = None, *,
                json_body: dict[str, Any] | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Call the located gateway's admin API; a failure is a one-line CLI error."""
-    headers = {"authorization": f"Bearer {location.admin_key}"} if location.admin_key else {}
-    try:
-        response = httpx.request(method, f"{location.url}{path}", params=params, json=json_body, headers=headers,
-                                 timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        fail(f"gateway at {location.url} failed: {type(exc).__name__}")
-    if response.status_code != 200:
-        fail(f"gateway answered {response.status_code}: {error_message(response)}")
-    result: dict[str, Any] = response.json()
+    with admin_client(location, timeout_s) as client, admin_failures():
+        result: dict[str, Any] = client.call(method, path, params=params, json=json_body)
     return result

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 from urllib.parse import quote
 
-import httpx
 import typer
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flywheel.admin_client import AdminClient, AdminError
 from flywheel.gateway.cli.common import (
     AdminKeyOption,
     AliasOption,
@@ -39,8 +39,8 @@ from flywheel.gateway.cli.common import (
     DataDirOption,
     GatewayOption,
     Target,
-    error_code,
-    error_message,
+    admin_client,
+    admin_failures,
     fail,
     locate,
     open_store,
@@ -95,21 +95,19 @@ class Backend(Protocol):
 class ApiBackend:
     """A running gateway's admin API."""
 
-    def __init__(self, url: str, admin_key: str | None) -> None:
-        self.where = url
-        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.client = httpx.Client(base_url=url.rstrip("/") + "/flywheel/v1", headers=headers, timeout=60.0)
+    def __init__(self, client: AdminClient) -> None:
+        self.client = client
+        self.where = client.url
 
     def _call(self, method: str, path: str, params: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        try:
-            response = self.client.request(method, path, params=params)
-        except httpx.HTTPError as exc:
-            fail(f"gateway at {self.where} failed: {exc}")
-        if response.status_code == 404 and error_code(response) == "not_found":
-            return None
-        if response.status_code >= 400:
-            fail(f"gateway answered {response.status_code}: {error_message(response)}")
-        body: dict[str, Any] = response.json()
+        """The answer; None for a trajectory the gateway does not have; any other failure is a CLI error."""
+        with admin_failures():
+            try:
+                body: dict[str, Any] = self.client.call(method, "/flywheel/v1" + path, params=params)
+            except AdminError as exc:
+                if exc.status == 404 and exc.code == "not_found":
+                    return None
+                raise
         return body
 
     def page(self, filters: dict[str, str], *, limit: int, after: str | None, order: str) -> dict[str, Any]:
@@ -216,11 +214,8 @@ def connect(target: Target) -> Iterator[Backend]:
     """A backend for the trajectory commands, over the located gateway or file."""
     location = locate(target)
     if location.url is not None:
-        backend = ApiBackend(location.url, location.admin_key)
-        try:
-            yield backend
-        finally:
-            backend.client.close()
+        with admin_client(location, timeout_s=60.0) as client:
+            yield ApiBackend(client)
         return
     store = open_store(location.database or location.settings.database)
     try:

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-
+from flywheel.admin_client import AdminCallError, AdminClient
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.training_wire import RoundSummary
 
@@ -61,35 +60,28 @@ class Where(Protocol):
     def fail(self, alias: str, version: int, error: str, group_ids: list[str]) -> None: ...
 
 
+_TRAINING = "/flywheel/v1/training"
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """A failed admin call (the gateway down, or its error answer) as the RoundError that says why."""
+    try:
+        yield
+    except AdminCallError as exc:
+        raise RoundError(str(exc)) from None
+
+
 class AdminApi:
     """A running gateway's ``/flywheel/v1/training`` routes."""
 
     def __init__(self, url: str, admin_key: str | None, timeout_s: float = 3600.0, workdir: Path | None = None) -> None:
-        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.client = httpx.Client(base_url=url.rstrip("/") + "/flywheel/v1/training", headers=headers,
-                                   timeout=timeout_s)
+        self.client = AdminClient(url, admin_key, timeout=timeout_s)
         self.workdir = workdir  # None: the gateway's adapter directory is reachable here (a shared volume)
 
-    @contextmanager
-    def _response(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
-        """The gateway's answer, streamed, when it is a 200; anything else, or none, is a RoundError saying why."""
-        try:
-            with self.client.stream(method, path, **kwargs) as response:
-                if response.status_code != 200:
-                    response.read()
-                    try:
-                        message = response.json()["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        message = response.text[:200]
-                    raise RoundError(f"gateway answered {response.status_code}: {message}")
-                yield response
-        except httpx.HTTPError as exc:
-            raise RoundError(f"gateway at {self.client.base_url} failed: {type(exc).__name__}") from None
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        with self._response(method, path, **kwargs) as response:
-            response.read()
-            return response.json()
+    def _call(self, method: str, path: str, *, params: dict[str, str] | None = None, json: Any = None) -> Any:
+        with _refusals():
+            return self.client.call(method, _TRAINING + path, params=params, json=json)
 
     def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
         params = {"alias": alias} | ({"max_groups": str(max_groups)} if max_groups else {})  # else the gateway's
@@ -114,9 +106,8 @@ class AdminApi:
 
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir.parent) as archive:
-            with self._response("GET", f"/adapters/{alias}/{version}") as response:
-                for chunk in response.iter_bytes():
-                    archive.write(chunk)
+            with _refusals():
+                self.client.download(f"{_TRAINING}/adapters/{alias}/{version}", archive)
             archive.seek(0)
             try:
                 adapters.unpack(archive, out_dir)
@@ -139,8 +130,8 @@ class AdminApi:
         with tempfile.TemporaryFile(dir=Path(out_dir).parent) as archive:
             adapters.pack(out_dir, archive)
             archive.seek(0)
-            self._call("PUT", f"/adapters/{alias}/{version}", content=archive,
-                       headers={"content-type": "application/x-tar"})
+            with _refusals():
+                self.client.upload(f"{_TRAINING}/adapters/{alias}/{version}", archive, "application/x-tar")
 
     def record(self, report: dict[str, Any]) -> dict[str, Any] | None:
         adapter: dict[str, Any] | None = self._call("POST", "/rounds", json=report)["adapter_version"]

@@ -10,8 +10,8 @@
     result = await backend.train(model, groups, learning_rate=1e-5)   # step, metrics, checkpoint_path
 
 The admin methods are synchronous; the backend methods ART awaits (``register``, ``train``,
-``close``) run the same calls on a worker thread, so one ``httpx.Client`` (and one injectable
-``transport``) serves both. Training sends each group to ``POST /flywheel/v1/groups`` (stored
+``close``) run the same calls on a worker thread, so one admin client (``flywheel/admin_client.py``, with its
+injectable ``transport``) serves both. Training sends each group to ``POST /flywheel/v1/groups`` (stored
 with its rewards) and then asks ``POST /flywheel/v1/aliases/{alias}/train`` for one round on
 exactly those groups, promoted at once: ART serves the step it just trained.
 """
@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,7 +31,8 @@ from openai.types.chat.chat_completion import Choice
 from pydantic_core import to_jsonable_python
 from rich.console import Console
 
-from flywheel.errors import FlywheelError, GatewayConnectionError, GatewayError, NotFoundError, raise_for_answer
+from flywheel.admin_client import TIMEOUT, AdminClient, AdminError, AdminUnreachable
+from flywheel.errors import FlywheelError, GatewayConnectionError, GatewayError, NotFoundError, gateway_error
 from flywheel.trajectories import Trajectory, TrajectoryGroup
 from flywheel.types import USE_DEFAULT, TrainResult, UseDefault
 
@@ -38,8 +40,6 @@ if TYPE_CHECKING:
     from flywheel.model import Model, TrainableModel
 
 __all__ = ["Closed", "Gateway"]
-
-_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
 class Closed:
@@ -93,12 +93,12 @@ class Gateway:
     """
 
     def __init__(self, url: str, *, admin_key: str | UseDefault | None = USE_DEFAULT, api_key: str | None = None,
-                 timeout: httpx.Timeout = _TIMEOUT, transport: httpx.BaseTransport | None = None) -> None:
+                 timeout: httpx.Timeout = TIMEOUT, transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
         self.admin_key = os.environ.get("FLYWHEEL_ADMIN_KEY") if admin_key is USE_DEFAULT else admin_key
         self.api_key = api_key
         self.closed = False
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+        self._admin = AdminClient(self.url, self.admin_key, timeout=timeout, transport=transport)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}{', closed' if self.closed else ''})"
@@ -109,7 +109,7 @@ class Gateway:
         """Release the connections; ``await backend.close()`` works too (ART's form)."""
         if not self.closed:
             self.closed = True
-            self._http.close()
+            self._admin.close()
         return Closed()
 
     def __enter__(self) -> Gateway:
@@ -127,19 +127,24 @@ class Gateway:
 
     # -- the admin API
 
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The admin client's failures as the SDK's errors; a closed gateway calls nothing."""
+        if self.closed:
+            raise FlywheelError(f"{self!r} is closed")
+        try:
+            yield
+        except AdminUnreachable as exc:
+            raise GatewayConnectionError(f"{exc.method} {exc.url} failed: {type(exc.cause).__name__}: "
+                                         f"{exc.cause}") from exc
+        except AdminError as exc:
+            raise gateway_error(exc) from None
+
     def request(self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None,
                 timeout: httpx.Timeout | UseDefault | None = USE_DEFAULT) -> Any:
         """One admin call; the decoded JSON answer, or the :class:`GatewayError` for its status."""
-        if self.closed:
-            raise FlywheelError(f"{self!r} is closed")
-        headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
-        try:
-            response = self._http.request(method, path, params=params, json=json, headers=headers,
-                                          timeout=httpx.USE_CLIENT_DEFAULT if timeout is USE_DEFAULT else timeout)
-        except httpx.TransportError as exc:
-            raise GatewayConnectionError(f"{method} {self.url}{path} failed: {type(exc).__name__}: {exc}") from exc
-        raise_for_answer(response)
-        return response.json() if response.content else None
+        with self._errors():
+            return self._admin.call(method, path, params=params, json=json, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
         """``GET /flywheel/v1/status``: per alias, what it serves and what the loop is doing."""
@@ -196,15 +201,9 @@ class Gateway:
 
     def export(self, trajectory_id: str, format: Literal["openai", "art"] = "art") -> list[dict[str, Any]]:
         """A trajectory as records, one per branch: OpenAI fine-tuning lines or ART trajectories."""
-        if self.closed:
-            raise FlywheelError(f"{self!r} is closed")
-        headers = {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
-        try:
-            response = self._http.get(f"/flywheel/v1/trajectories/{trajectory_id}/export",
-                                      params={"format": format}, headers=headers)
-        except httpx.TransportError as exc:
-            raise GatewayConnectionError(f"export from {self.url} failed: {type(exc).__name__}: {exc}") from exc
-        raise_for_answer(response)
+        with self._errors():
+            response = self._admin.request("GET", f"/flywheel/v1/trajectories/{trajectory_id}/export",
+                                           params={"format": format})
         return [json.loads(line) for line in response.text.splitlines() if line.strip()]
 
     def record_group(self, alias: str, group: TrajectoryGroup) -> dict[str, Any]:

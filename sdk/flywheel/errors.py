@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
+
+from flywheel.admin_client import AdminError
 
 __all__ = [
     "AuthenticationError",
@@ -65,18 +65,14 @@ class MissingExtraError(FlywheelError, ImportError):
 _BY_STATUS: dict[int, type[GatewayError]] = {400: BadRequestError, 401: AuthenticationError, 404: NotFoundError}
 
 
+def gateway_error(error: AdminError) -> GatewayError:
+    """The SDK's error for an admin call the gateway answered with an error: the subclass for its status."""
+    kind = _BY_STATUS.get(error.status, GatewayError)
+    return kind(f"{error.method} {error.path} answered {error.status}: {error.message}", status_code=error.status,
+                code=error.code, param=error.param)
+
+
 def raise_for_answer(response: httpx.Response) -> None:
     """Nothing for a 2xx answer; otherwise the :class:`GatewayError` subclass for its status."""
-    if response.is_success:
-        return
-    error: dict[str, Any] = {}
-    try:
-        body = response.json()
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            error = body["error"]
-    except ValueError:
-        pass
-    message = str(error.get("message") or response.text[:300] or response.reason_phrase)
-    kind = _BY_STATUS.get(response.status_code, GatewayError)
-    raise kind(f"{response.request.method} {response.request.url.path} answered {response.status_code}: {message}",
-               status_code=response.status_code, code=error.get("code"), param=error.get("param"))
+    if not response.is_success:
+        raise gateway_error(AdminError.of(response))
