@@ -20,7 +20,7 @@ from typing import Any, Literal
 from sqlmodel import Session, col, select
 
 from flywheel.capture.batches import TrainingGroup
-from flywheel.capture.groups import training_group
+from flywheel.capture.groups import training_groups
 from flywheel.capture.models import AdapterVersion, Group, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.storeproc import versions
@@ -40,7 +40,7 @@ def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[st
         groups = list(session.exec(query.order_by(formed.desc() if order == "newest" else formed)
                                    .limit(max_groups)).all())
         groups.sort(key=lambda group: group.created_at)
-        return [training_group(session, group) for group in groups]
+        return training_groups(session, groups)
 
 
 def record_training(store: Store, alias: str, result: Any, *, version: int, parent_version: int | None,
