@@ -1,17 +1,25 @@
 """What a training round reads (training_records.training_batch): every scored group of the alias, each member
 one branch with its latest reward, read for all groups at once and equal to reading each group by itself
-(capture.groups.training_group). On both backends: a real DuckDB file and a real PostgreSQL database."""
+(capture.groups.training_group); and how recording the round settles them. On both backends: a real DuckDB file
+and a real PostgreSQL database."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+from sqlmodel import select
 
 from flywheel.capture.batches import TrainingGroup
 from flywheel.capture.groups import training_group
 from flywheel.capture.models import Group, GroupMember, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
-from flywheel.gateway.storeproc.training_records import training_batch
+from flywheel.gateway.core.config import Settings
+from flywheel.gateway.storeproc import store_ops
+from flywheel.gateway.storeproc.training_records import record_training, training_batch
+from flywheel.trainer.grpo_args import RoundResult
 
 START = utcnow() - timedelta(hours=1)
 
@@ -90,7 +98,8 @@ def test_a_batch_reads_every_group_as_reading_each_alone(store: Store) -> None:
     assert (conv2.params, conv2.prompt_token_ids, conv2.completion_logprobs) == ({"temperature": 0.5}, [1, 2, 0],
                                                                                  [-0.5, -0.25])
     assert batch[2].members[2].turns[1].tools == [{"type": "function", "function": {"name": "f"}}]
-    assert [TrainingGroup.from_json(g.to_json()) for g in batch] == batch  # what the admin API carries
+    assert [g.to_json() for g in batch] == [asdict(g) for g in batch]  # what the admin API carries
+    assert [TrainingGroup.from_json(g.to_json()) for g in batch] == batch
 
 
 def test_a_batch_takes_the_newest_or_the_oldest_and_only_the_groups_asked(store: Store) -> None:
@@ -100,3 +109,18 @@ def test_a_batch_takes_the_newest_or_the_oldest_and_only_the_groups_asked(store:
     asked = training_batch(store, "agent", max_groups=10, group_ids=["g_conv", "g_one", "g_done", "g_other"])
     assert [g.group_id for g in asked] == ["g_one", "g_conv"]  # scored groups of the alias only
     assert training_batch(store, "nobody", max_groups=10) == []
+
+
+def test_recording_a_round_settles_every_scored_group_it_was_given(store: Store, tmp_path: Path) -> None:
+    fill(store)
+    given = [g.group_id for g in training_batch(store, "agent", max_groups=10)] + ["g_done", "g_gone"]
+    version = store_ops.reserve_version(store, Settings(data_dir=tmp_path), "agent", base_model="m")["version"]
+    now = utcnow()
+    skipped = RoundResult("skipped", None, None, {}, [], {}, ["g_conv"], {}, "m", None, now, now)  # as reported
+    assert record_training(store, "agent", skipped, version=version, parent_version=None, promote=False,
+                           batch_group_ids=given) is None
+    with store.session() as session:
+        statuses = {g.id: g.status for g in session.exec(select(Group))}
+    assert statuses == {"g_conv": "trained", "g_one": "untrainable", "g_fork": "untrainable",
+                        "g_done": "trained", "g_other": "scored"}  # no group trained twice, none fetched forever
+    assert training_batch(store, "agent", max_groups=10) == []

@@ -77,11 +77,15 @@ async def get_batch(request: Request) -> Response:
         raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
     args = asdict(grpo_args(state.settings, base))
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
-    if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
-        groups: list[dict[str, object]] = []  # trainer workers ask often: a round only when the loop would train
-    else:
-        groups = await state.store_link.op("training_batch", alias=alias, max_groups=int(raw), group_ids=group_ids)
-    head = await state.store_link.op("training_head", alias=alias)
+
+    async def batch() -> list[dict[str, object]]:
+        if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
+            return []  # trainer workers ask often: a round only when the loop would train
+        groups: list[dict[str, object]] = await state.store_link.op("training_batch", alias=alias,
+                                                                     max_groups=int(raw), group_ids=group_ids)
+        return groups
+
+    groups, head = await asyncio.gather(batch(), state.store_link.op("training_head", alias=alias))  # both at once
     current = {"version": head["version"], "path": head["path"]} if head else None
     return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
 
