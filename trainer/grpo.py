@@ -320,8 +320,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         if trainer.accelerator.is_main_process:
             staging = adapters.staging_dir(out)
             try:
-                policy.save_pretrained(staging, selected_adapters=["default"])  # not TRL's frozen "ref" copy
-                (staging / "README.md").unlink(missing_ok=True)  # PEFT's generic model card template
+                adapters.write_lora(policy, staging)  # the round's LoRA, not TRL's frozen "ref" copy
                 optimizer = {"param_names": _optimizer_param_names(trainer),
                              "optimizer": trainer.optimizer.state_dict(), "global_step": trainer.state.global_step}
                 torch.save(optimizer, staging / adapters.OPTIMIZER_FILE)
