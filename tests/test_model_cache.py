@@ -4,6 +4,7 @@ Real rounds on the tiny model through TRL."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,25 @@ def test_files_replaced_under_the_path_the_kept_layers_were_saved_to_are_read(ow
     second.adapter_dir.rename(tmp_path / "moved")
     shutil.copytree(first.adapter_dir, second.adapter_dir)  # round 1's files where round 2's were
     assert continued(own_tiny, second.adapter_dir, tmp_path / "3").config["derived"]["adapter_load"] == "read"
+
+
+def saved(tokenizer: Any, out: Path) -> dict[str, bytes]:
+    tokenizer.save_pretrained(out)
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_the_kept_tokenizer_is_as_loaded_after_a_round(own_tiny: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    kept = model_cache.tokenizer(str(own_tiny))
+    a_round(own_tiny, tmp_path / "1", beta=0.04)
+    assert model_cache.tokenizer(str(own_tiny)) is kept  # it has a pad token: TRL leaves it alone
+    assert saved(kept, tmp_path / "kept") == saved(AutoTokenizer.from_pretrained(own_tiny), tmp_path / "fresh")
+    unpadded = Path(shutil.copytree(own_tiny, tmp_path / "unpadded"))
+    config = unpadded / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": None}))
+    assert a_round(unpadded, tmp_path / "2").status == "finished"
+    assert model_cache.tokenizer(str(unpadded)).pad_token is None  # TRL set one on the round's copy
 
 
 def test_the_kept_model_is_given_back_as_loaded(own_tiny: Path, tmp_path: Path) -> None:

@@ -56,13 +56,15 @@ _tokenizer: tuple[str, Any] | None = None
 
 
 def tokenizer(base: str) -> Any:
-    """A copy of ``base``'s tokenizer: TRL's trainer sets its pad token, which the next round must not see."""
+    """``base``'s tokenizer, kept; a copy when it has no pad token: TRL's trainer sets one, which the next round
+    must not see (and changes nothing else of it, tests/test_model_cache.py checks)."""
     global _tokenizer
     if _tokenizer is None or _tokenizer[0] != base:
         from transformers import AutoTokenizer
 
         _tokenizer = (base, AutoTokenizer.from_pretrained(base))
-    return copy.deepcopy(_tokenizer[1])
+    kept = _tokenizer[1]
+    return kept if kept.pad_token is not None else copy.deepcopy(kept)
 
 
 def borrow(base: str, dtype: Any) -> Loaded:
