@@ -7,7 +7,7 @@ trainer in another process gets the same thing through the admin API.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -46,7 +46,10 @@ class TrainingGroup:
     members: list[GroupMember] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """``asdict(self)`` without its deep copy of every token list: what this returns is serialized at once."""
+        return {"group_id": self.group_id, "source": self.source, "alias": self.alias,
+                "members": [{"trajectory_id": m.trajectory_id, "turns": [dict(vars(t)) for t in m.turns],
+                             "reward": m.reward, "leaf_turn_id": m.leaf_turn_id} for m in self.members]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainingGroup:

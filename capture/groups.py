@@ -212,6 +212,8 @@ def branches(session: Session, members: list[GroupMemberRow], *, single_turn: bo
     """``branch_turns`` of many members at once (by leaf turn id): their trajectories' turns in one query, a parent
     outside them looked up by itself."""
     leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    if not leaves:
+        return {}
     known: dict[str, Turn] = {}
     wanted = col(Turn.id).in_(leaves) if single_turn else \
         col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
@@ -269,28 +271,38 @@ def member_messages(session: Session, trajectory_id: str, turns: list[Turn],
     return messages
 
 
-def group_rewards(session: Session, group_id: str, source: str = "reward") -> dict[str, float]:
-    """The latest score of each member of a group (``reward``: the combined, final one)."""
-    rows = session.exec(select(Score).where(Score.group_id == group_id, Score.source == source)
-                        .order_by(col(Score.created_at)))
-    return {row.trajectory_id: row.value for row in rows}
-
-
 def training_group(session: Session, group: Group) -> TrainingGroup:
     """A scored group as the trainer's input: one branch per member, with its reward."""
-    members = list(session.exec(select(GroupMemberRow).where(GroupMemberRow.group_id == group.id)))
-    rewards = group_rewards(session, group.id)
-    out = TrainingGroup(group_id=group.id, source=group.source, alias=group.alias)
-    for member in members:
-        if member.leaf_turn_id is None:
-            continue
-        turns = branch_turns(session, member.leaf_turn_id, single_turn=group.source == "fork")
-        out.members.append(GroupMember(
-            trajectory_id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id,
-            reward=rewards.get(member.trajectory_id, 0.0),
-            turns=[BranchTurn(request_messages=t.request_messages or [], response_message=t.response_message or {},
-                              tools=t.tools, prompt_token_ids=t.prompt_token_ids,
-                              completion_token_ids=t.completion_token_ids,
-                              completion_logprobs=t.completion_logprobs, finish_reason=t.finish_reason,
-                              turn_id=t.id, params=t.params) for t in turns]))
-    return out
+    return training_groups(session, [group])[0]
+
+
+def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup]:
+    """``training_group`` of each of ``groups``, read together: members, final rewards and branches in a fixed
+    few queries for the whole batch, not a few per group and one per turn (about 40 ms a group on DuckDB)."""
+    if not groups:
+        return []
+    ids = [group.id for group in groups]
+    members: dict[str, list[GroupMemberRow]] = {group_id: [] for group_id in ids}
+    for member in session.exec(select(GroupMemberRow).where(col(GroupMemberRow.group_id).in_(ids))):
+        members[member.group_id].append(member)  # each group's in the order the store gives, as one group alone
+    rewards: dict[str, dict[str, float]] = defaultdict(dict)
+    for score in session.exec(select(Score).where(col(Score.group_id).in_(ids), Score.source == "reward")
+                              .order_by(col(Score.created_at))):
+        rewards[score.group_id or ""][score.trajectory_id] = score.value  # the latest wins
+    paths = {fork: branches(session, [m for g in groups if (g.source == "fork") == fork for m in members[g.id]],
+                            single_turn=fork)
+             for fork in (False, True)}  # apart: a forked turn's path is itself, the same leaf's elsewhere is not
+    return [TrainingGroup(group_id=group.id, source=group.source, alias=group.alias, members=[
+        _training_member(member, paths[group.source == "fork"][member.leaf_turn_id], rewards[group.id])
+        for member in members[group.id] if member.leaf_turn_id is not None]) for group in groups]
+
+
+def _training_member(member: GroupMemberRow, turns: list[Turn], rewards: dict[str, float]) -> GroupMember:
+    return GroupMember(
+        trajectory_id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id,
+        reward=rewards.get(member.trajectory_id, 0.0),
+        turns=[BranchTurn(request_messages=t.request_messages or [], response_message=t.response_message or {},
+                          tools=t.tools, prompt_token_ids=t.prompt_token_ids,
+                          completion_token_ids=t.completion_token_ids,
+                          completion_logprobs=t.completion_logprobs, finish_reason=t.finish_reason,
+                          turn_id=t.id, params=t.params) for t in turns])

@@ -182,6 +182,40 @@ def test_the_adapter_directory_is_complete_self_describing_and_vllm_loadable(tra
     assert adapters.is_complete(out) and not any(p.name.startswith(".") for p in out.parent.iterdir())
 
 
+def test_the_adapter_files_are_the_ones_peft_writes(trained: Trained, tmp_path: Path) -> None:
+    """adapters.write_lora skips PEFT's model card only: the same bytes as save_pretrained, for the adapter a round
+    wrote (loaded back, trainable) and for fresh LoRAs."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    out = trained.result.adapter_dir
+    assert out is not None
+
+    def loaded() -> Any:
+        return PeftModel.from_pretrained(load(trained.tiny), str(out), is_trainable=True)
+
+    def fresh() -> Any:
+        torch.manual_seed(0)
+        return get_peft_model(load(trained.tiny), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+
+    def untyped() -> Any:  # no task type: PEFT writes an auto_mapping into its config
+        torch.manual_seed(0)
+        return get_peft_model(load(trained.tiny), LoraConfig(r=4, target_modules=["q_proj"]))
+
+    for n, policy_of in enumerate((loaded, fresh, untyped)):  # a policy each: a save may fill in its config
+        ours, peft = tmp_path / f"ours{n}", tmp_path / f"peft{n}"
+        ours.mkdir()
+        policy = policy_of()
+        adapters.write_lora(policy, ours)
+        policy_of().save_pretrained(str(peft), selected_adapters=["default"])
+        assert sorted(p.name for p in ours.iterdir()) == [adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS]
+        assert all((ours / name).read_bytes() == (peft / name).read_bytes()
+                   for name in (adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS))
+        assert not policy.peft_config["default"].inference_mode  # still training
+    for name in (adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS):  # what the round wrote, too
+        assert (out / name).read_bytes() == (tmp_path / "ours0" / name).read_bytes()
+
+
 async def test_the_adapter_loads_into_the_local_engine(trained: Trained, tmp_path: Path) -> None:
     local = pytest.importorskip("flywheel.gateway.serving.engines.local")
     from flywheel.gateway.core.config import LocalEngineConfig

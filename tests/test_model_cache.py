@@ -1,8 +1,10 @@
-"""The base model a process keeps between rounds (trainer/model_cache.py): a round gives it back as loaded, so a
-warm round trains exactly what a cold one does. Real rounds on the tiny model through TRL."""
+"""The base model a process keeps between rounds (trainer/model_cache.py): a round gives it back as loaded, and its
+LoRA layers kept for the next round that continues an adapter, so a warm round trains exactly what a cold one does.
+Real rounds on the tiny model through TRL."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,74 @@ def test_a_warm_round_trains_the_same_adapter_as_a_cold_one(own_tiny: Path, tmp_
     assert first.keys() == again.keys()
     assert all(first[k].equal(again[k]) for k in first), "a warm round trained other weights than a cold one"
     assert [s["loss"] for s in cold.steps] == [s["loss"] for s in warm.steps]
+
+
+def continued(tiny: Path, adapter: Path, out: Path, checkpointing: bool = True) -> RoundResult:
+    """A round that continues ``adapter`` and its optimizer state (with gradient checkpointing: a hook, a flag)."""
+    args = GRPOArgs.tiny(max_steps=2, progress=False, gradient_checkpointing=checkpointing)
+    return train_round(tiny, groups_of(tiny), args, init_adapter=adapter, out_dir=out,
+                       optimizer_state=adapters.optimizer_state_of(adapter))
+
+
+def same_training(one: RoundResult, other: RoundResult) -> bool:
+    """The same adapter and optimizer moments, bit for bit, and the same losses."""
+    import torch
+
+    assert one.adapter_dir is not None and other.adapter_dir is not None
+    ours, theirs = lora_tensors(one.adapter_dir), lora_tensors(other.adapter_dir)
+    moments = [torch.load(r.adapter_dir / adapters.OPTIMIZER_FILE, weights_only=True)["optimizer"]["state"]
+               for r in (one, other) if r.adapter_dir is not None]
+    return (ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+            and moments[0].keys() == moments[1].keys()
+            and all(moments[0][i][k].equal(moments[1][i][k]) for i in moments[0] for k in moments[0][i])
+            and [s["loss"] for s in one.steps] == [s["loss"] for s in other.steps])
+
+
+def test_rounds_that_continue_an_adapter_in_the_kept_lora_train_what_a_cold_one_does(own_tiny: Path,
+                                                                                     tmp_path: Path) -> None:
+    first = a_round(own_tiny, tmp_path / "1")
+    assert first.adapter_dir is not None
+    held = continued(own_tiny, first.adapter_dir, tmp_path / "2")  # the kept layers hold what round 1 wrote
+    # They hold round 2's now: round 1's are read into them, whose checkpointing must not stay on.
+    read = continued(own_tiny, first.adapter_dir, tmp_path / "3", checkpointing=False)
+    # Cold: each on a base path of its own, for which nothing is kept.
+    cold = continued(Path(shutil.copytree(own_tiny, tmp_path / "a")), first.adapter_dir, tmp_path / "4")
+    cold_plain = continued(Path(shutil.copytree(own_tiny, tmp_path / "b")), first.adapter_dir, tmp_path / "5",
+                           checkpointing=False)
+    rounds = (held, read, cold, cold_plain)
+    assert [r.config["derived"]["adapter_load"] for r in rounds] == ["held", "read", "injected", "injected"]
+    assert [r.config["derived"]["optimizer_state"] for r in rounds] == ["resumed"] * 4
+    assert [r.config["derived"]["base_model_cached"] for r in rounds] == [True, True, False, False]
+    assert same_training(held, cold) and same_training(read, cold_plain)
+    assert held.adapter_dir is not None and not same_training(first, held)  # it trained
+
+
+def test_files_replaced_under_the_path_the_kept_layers_were_saved_to_are_read(own_tiny: Path, tmp_path: Path) -> None:
+    first = a_round(own_tiny, tmp_path / "1")
+    second = a_round(own_tiny, tmp_path / "2", seed=1)  # the kept layers hold what it wrote to 2/
+    assert first.adapter_dir is not None and second.adapter_dir is not None
+    second.adapter_dir.rename(tmp_path / "moved")
+    shutil.copytree(first.adapter_dir, second.adapter_dir)  # round 1's files where round 2's were
+    assert continued(own_tiny, second.adapter_dir, tmp_path / "3").config["derived"]["adapter_load"] == "read"
+
+
+def saved(tokenizer: Any, out: Path) -> dict[str, bytes]:
+    tokenizer.save_pretrained(out)
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_the_kept_tokenizer_is_as_loaded_after_a_round(own_tiny: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    kept = model_cache.tokenizer(str(own_tiny))
+    a_round(own_tiny, tmp_path / "1", beta=0.04)
+    assert model_cache.tokenizer(str(own_tiny)) is kept  # it has a pad token: TRL leaves it alone
+    assert saved(kept, tmp_path / "kept") == saved(AutoTokenizer.from_pretrained(own_tiny), tmp_path / "fresh")
+    unpadded = Path(shutil.copytree(own_tiny, tmp_path / "unpadded"))
+    config = unpadded / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": None}))
+    assert a_round(unpadded, tmp_path / "2").status == "finished"
+    assert model_cache.tokenizer(str(unpadded)).pad_token is None  # TRL set one on the round's copy
 
 
 def test_the_kept_model_is_given_back_as_loaded(own_tiny: Path, tmp_path: Path) -> None:

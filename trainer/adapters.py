@@ -84,6 +84,27 @@ def staging_dir(out_dir: str | Path) -> Path:
     return staging
 
 
+def write_lora(policy: Any, directory: Path) -> None:
+    """What PEFT's ``policy.save_pretrained(directory, selected_adapters=["default"])`` writes, but its model card:
+    PEFT renders one from a template on every save (about half the save on the tiny model), and a version keeps
+    none. An adapter without a task type or a base model name (PEFT fills those in) goes through PEFT itself."""
+    config = policy.peft_config["default"]
+    if config.task_type is None or config.base_model_name_or_path is None:
+        policy.save_pretrained(directory, selected_adapters=["default"])
+        (directory / "README.md").unlink(missing_ok=True)
+        return
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    weights = get_peft_model_state_dict(policy, adapter_name="default")
+    save_file({k: v.contiguous() for k, v in weights.items()}, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    inference_mode, config.inference_mode = config.inference_mode, True
+    try:
+        config.save_pretrained(str(directory))
+    finally:
+        config.inference_mode = inference_mode
+
+
 def write_round_file(directory: str | Path, record: dict[str, Any]) -> Path:
     """Write ``flywheel_round.json`` (config + provenance + metrics), nanoGPT's self-describing checkpoint."""
     path = Path(directory) / ROUND_FILE

@@ -106,7 +106,8 @@ def _load_optimizer_state(trainer: Any, path: str | Path | None) -> str:
     import torch
 
     trainer.create_optimizer()
-    saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no code
+    saved = model_cache.optimizer_state(path) or \
+        torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no code
     if saved.get("param_names") != _optimizer_param_names(trainer):
         warnings.warn(f"optimizer state {path} was saved for other parameters: starting fresh", stacklevel=2)
         return "mismatch"
@@ -247,17 +248,19 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
                          f"({per_device} x {accumulation} x {world_size}) must be a multiple of the group size {g}")
 
     # 3. the policy: base model + LoRA (fresh, or the alias's current adapter trained further)
-    from peft import LoraConfig, PeftModel
+    from peft import LoraConfig
     from trl import GRPOConfig
 
-    loaded = model_cache.borrow(base, torch.bfloat16 if bf16 else torch.float32)  # kept from the last round, if any
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # kept from the last round, if any; the adapter's LoRA layers too when they have its configuration
+    loaded = model_cache.borrow(base, dtype) if init_adapter is None else \
+        model_cache.borrow_adapter(base, dtype, init_adapter)
     config["derived"]["base_model_cached"] = loaded.cached
-    transformers.set_seed(args.seed)  # after the load: a cold load may draw random numbers, a kept model does not
+    config["derived"]["adapter_load"] = loaded.adapter
+    transformers.set_seed(args.seed)  # after the load: a cold load draws random numbers (LoRA init), a kept one not
     model: Any = loaded.model
     peft_config = None
-    if init_adapter is not None:
-        model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
-    else:
+    if init_adapter is None:
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                  target_modules=_target_modules(model, args.lora_target_modules),
                                  task_type="CAUSAL_LM")
@@ -302,7 +305,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         metrics.update(_padding_metrics(trainer))
         metrics["charts/optimizer_resumed"] = float(optimizer_status == "resumed")
         metrics["charts/model_load_seconds"] = loaded.seconds
-        policy = trainer.accelerator.unwrap_model(trainer.model)
+        policy = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # kept: not wrapped twice
         config["derived"]["optimizer_state"] = optimizer_status
         config["lora"] = _jsonable(policy.peft_config["default"].to_dict())
         config["trl"] = _jsonable({f.name: getattr(trl_config, f.name) for f in fields(trl_config)
@@ -317,17 +320,18 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         if trainer.accelerator.is_main_process:
             staging = adapters.staging_dir(out)
             try:
-                policy.save_pretrained(staging, selected_adapters=["default"])  # not TRL's frozen "ref" copy
-                (staging / "README.md").unlink(missing_ok=True)  # PEFT's generic model card template
-                torch.save({"param_names": _optimizer_param_names(trainer),
-                            "optimizer": trainer.optimizer.state_dict(),
-                            "global_step": trainer.state.global_step}, staging / adapters.OPTIMIZER_FILE)
+                adapters.write_lora(policy, staging)  # the round's LoRA, not TRL's frozen "ref" copy
+                optimizer = {"param_names": _optimizer_param_names(trainer),
+                             "optimizer": trainer.optimizer.state_dict(), "global_step": trainer.state.global_step}
+                torch.save(optimizer, staging / adapters.OPTIMIZER_FILE)
                 adapters.write_round_file(staging, _round_record(result, groups, batch, plan, out))
                 adapters.publish(staging, out)
             finally:
                 adapters.discard(staging)
+            model_cache.give_back(policy, out, optimizer)  # for the next round of this process
+        else:
+            model_cache.give_back(policy)
         trainer.accelerator.wait_for_everyone()
-        model_cache.give_back(policy)  # unwrapped, for the next round of this process
     if args.progress:
         _print_summary(result)
     return result

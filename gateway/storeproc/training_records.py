@@ -17,10 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from flywheel.capture.batches import TrainingGroup
-from flywheel.capture.groups import training_group
+from flywheel.capture.groups import training_groups
 from flywheel.capture.models import AdapterVersion, Group, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.storeproc import versions
@@ -40,7 +41,7 @@ def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[st
         groups = list(session.exec(query.order_by(formed.desc() if order == "newest" else formed)
                                    .limit(max_groups)).all())
         groups.sort(key=lambda group: group.created_at)
-        return [training_group(session, group) for group in groups]
+        return training_groups(session, groups)
 
 
 def record_training(store: Store, alias: str, result: Any, *, version: int, parent_version: int | None,
@@ -63,11 +64,10 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
         _, adapter = record_round(session, result, alias=alias, base_model=result.base_model, version=version,
                                   parent_version=parent_version, commit=False)
         trained = set(result.group_ids)
-        for group_id in set(batch_group_ids) | trained:
-            group = session.get(Group, group_id)
-            if group is not None and group.status == "scored":
-                group.status = "trained" if group_id in trained else "untrainable"
-                session.add(group)
+        for status, settled in (("trained", trained), ("untrainable", set(batch_group_ids) - trained)):
+            if settled:  # one statement for the batch, not a read and a write per group
+                session.execute(update(Group).where(col(Group.id).in_(settled), col(Group.status) == "scored")
+                                .values(status=status))
         if adapter is None:  # skipped: the number stays used, never reassigned
             reserved = versions.get(session, alias, version)
             reserved.status, reserved.decided_at = "failed", utcnow()

@@ -79,11 +79,13 @@ async def get_batch(request: Request) -> Response:
         raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
     args = asdict(grpo_args(state.settings, base))
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
-    if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
-        groups: list[TrainingGroup] = []  # trainer workers ask often: a round only when the loop would train
-    else:
-        groups = await state.store.training_batch(alias, int(raw), group_ids)
-    head = await state.store.training_head(alias)
+
+    async def batch() -> list[TrainingGroup]:
+        if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
+            return []  # trainer workers ask often: a round only when the loop would train
+        return await state.store.training_batch(alias, int(raw), group_ids)
+
+    groups, head = await asyncio.gather(batch(), state.store.training_head(alias))  # both at once
     current = {"version": head.version, "path": head.path} if head else None
     return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
 
