@@ -114,7 +114,7 @@ def test_a_batch_takes_the_newest_or_the_oldest_and_only_the_groups_asked(store:
 def test_recording_a_round_settles_every_scored_group_it_was_given(store: Store, tmp_path: Path) -> None:
     fill(store)
     given = [g.group_id for g in training_batch(store, "agent", max_groups=10)] + ["g_done", "g_gone"]
-    version = store_ops.reserve_version(store, Settings(data_dir=tmp_path), "agent", base_model="m")["version"]
+    version = store_ops.reserve_version(store, Settings(data_dir=tmp_path), "agent", base_model="m").version
     now = utcnow()
     skipped = RoundResult("skipped", None, None, {}, [], {}, ["g_conv"], {}, "m", None, now, now)  # as reported
     assert record_training(store, "agent", skipped, version=version, parent_version=None, promote=False,
