@@ -129,7 +129,7 @@ def test_the_kept_model_is_given_back_as_loaded(own_tiny: Path, tmp_path: Path) 
     model = kept.model
     assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]  # no LoRA layer left
     ours, theirs = model.state_dict(), fresh.state_dict()
-    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)  # bit for bit
+    assert ours.keys() == theirs.keys() and all(ours[k].cpu().equal(theirs[k]) for k in ours)  # bit for bit
     assert all(p.requires_grad for p in model.parameters())
     assert not model.training and not model.is_activation_checkpointing
     assert not hasattr(model, "_require_grads_hook")
