@@ -312,17 +312,17 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
               versions_in: list[int] | None = None, judge_only: bool = False,
               ids: list[str] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
     """``trajectory_rewards``, with the ids of the mixed trajectories rather than their count."""
-    conditions: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
-                                             col(Trajectory.close_reason) != "fork", col(Turn.source) != "fork"]
+    chosen_ones: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
+                                              col(Trajectory.close_reason) != "fork"]
     if since is not None:
-        conditions.append(col(Trajectory.created_at) >= since)
+        chosen_ones.append(col(Trajectory.created_at) >= since)
     if until is not None:
-        conditions.append(col(Trajectory.created_at) < until)
+        chosen_ones.append(col(Trajectory.created_at) < until)
     if ids is not None:
-        conditions.append(col(Trajectory.id).in_(ids))
+        chosen_ones.append(col(Trajectory.id).in_(ids))
     query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
              .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
-             .where(*conditions).group_by(col(Trajectory.id), col(Trajectory.closed_at)))
+             .where(*chosen_ones, col(Turn.source) != "fork").group_by(col(Trajectory.id), col(Trajectory.closed_at)))
     rows = session.exec(query).all()
     mixed: set[str] = set()
     by_id: dict[str, dict[str, Any]] = {}
@@ -333,20 +333,22 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
         if versions_in is None or low in versions_in:
             by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
     chosen = list(by_id)
+    # One join per table over the same trajectories, read as tuples: no chunked IN lists, no ORM objects.
     rewards: dict[str, float] = {}
-    for start in range(0, len(chosen), 500):
-        chunk = chosen[start:start + 500]
-        if not judge_only:
-            for feedback in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(chunk))
-                                         .order_by(col(Feedback.created_at))):
-                try:
-                    rewards[feedback.trajectory_id] = feedback_reward(feedback.reward, feedback.label)
-                except InvalidFeedbackError:
-                    continue
-        for score_row in session.exec(select(Score).where(col(Score.trajectory_id).in_(chunk),
-                                                          Score.source == "reward")
-                                      .order_by(col(Score.created_at))):
-            rewards[score_row.trajectory_id] = score_row.value  # the scoring job's final word wins
+    if not judge_only:
+        for trajectory_id, reward, label in session.execute(
+                sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
+                .join(Trajectory, col(Trajectory.id) == col(Feedback.trajectory_id)).where(*chosen_ones)
+                .order_by(col(Feedback.created_at))):
+            if trajectory_id in by_id:
+                with contextlib.suppress(InvalidFeedbackError):
+                    rewards[trajectory_id] = feedback_reward(reward, label)
+    for trajectory_id, value in session.execute(
+            sa_select(col(Score.trajectory_id), col(Score.value))
+            .join(Trajectory, col(Trajectory.id) == col(Score.trajectory_id))
+            .where(*chosen_ones, col(Score.source) == "reward").order_by(col(Score.created_at))):
+        if trajectory_id in by_id:
+            rewards[trajectory_id] = value  # the scoring job's final word wins
     out = [{**by_id[i], "reward": rewards[i]} for i in chosen if i in rewards and math.isfinite(rewards[i])]
     out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
     for row in out:
