@@ -1,5 +1,5 @@
 """The loop's incremental jobs: group formation and reward per version from a watermark never lose a trajectory,
-and find what a full pass finds."""
+and find what a full pass finds; and the record of the jobs' runs, where an idle run replaces the last idle one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlmodel import select
 
-from flywheel.capture.models import Feedback, Group, GroupMember, Score, Trajectory, Turn, utcnow
+from flywheel.capture.models import Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.storeproc import store_ops
@@ -134,3 +134,19 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
     final = from_scratch(store)["versions"]
     assert {v: c["n"] for v, c in final.items()} == {"0": 2, "1": 2, "2": 1}
     assert final["0"]["mean"] == pytest.approx(0.5) and final["1"]["mean"] == pytest.approx(0.7)
+
+
+def test_an_idle_run_replaces_the_previous_idle_run_of_its_job_and_alias_only(store: Store) -> None:
+    def run(job: str, alias: str | None, status: str) -> str:
+        run_id = store_ops.job_started(store, SETTINGS, job, alias)
+        store_ops.job_finished(store, SETTINGS, run_id, status, {"n": 1}, f"{job} {status}")
+        return run_id
+
+    kept = [run("score", None, "ok"), run("score", "a", "idle"), run("form_groups", None, "idle")]
+    run("score", None, "idle")
+    latest = run("score", None, "idle")
+    with store.session() as session:
+        rows = {r.id: r for r in session.exec(select(JobRun))}
+    assert set(rows) == {*kept, latest}  # only the earlier idle run of score (alias-wide) is gone
+    assert (rows[latest].status, rows[latest].counts, rows[latest].detail) == ("idle", {"n": 1}, "score idle")
+    assert rows[latest].finished_at is not None

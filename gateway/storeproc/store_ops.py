@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_
+from sqlalchemy import ColumnElement, and_, func, or_, update
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
@@ -262,17 +262,21 @@ def job_started(store: Store, settings: Settings, job: str, alias: str | None) -
 
 def job_finished(store: Store, settings: Settings, run_id: str, status: str, counts: dict[str, Any] | None = None,
                  detail: str | None = None, error: str | None = None) -> None:
-    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run."""
+    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run.
+
+    Set-based (an update, a delete), not the row loaded and written back: the loop finishes several runs a
+    second."""
     with store.session() as session:
-        run = session.get(JobRun, run_id)
-        if run is None:
-            return
-        run.status, run.finished_at, run.counts, run.detail, run.error = status, utcnow(), counts, detail, error
-        session.add(run)
+        session.execute(update(JobRun).where(col(JobRun.id) == run_id)
+                        .values(status=status, finished_at=utcnow(), counts=counts, detail=detail, error=error)
+                        .execution_options(synchronize_session=False))
         if status == "idle":
-            same_alias = col(JobRun.alias) == run.alias if run.alias is not None else col(JobRun.alias).is_(None)
-            session.exec(delete(JobRun).where(col(JobRun.job) == run.job, same_alias,
-                                              col(JobRun.status) == "idle", col(JobRun.id) != run_id))
+            def this_run(column: Any) -> Any:
+                return sa_select(column).where(col(JobRun.id) == run_id).scalar_subquery()
+            session.execute(delete(JobRun).where(col(JobRun.status) == "idle", col(JobRun.id) != run_id,
+                                                 col(JobRun.job) == this_run(col(JobRun.job)),
+                                                 col(JobRun.alias).is_not_distinct_from(this_run(col(JobRun.alias))))
+                            .execution_options(synchronize_session=False))
         session.commit()
 
 
