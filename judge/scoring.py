@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
@@ -59,6 +60,7 @@ def pending_groups(engine: Engine, alias: str | None = None, limit: int | None =
 
 JudgeInput = tuple[TrajectoryGroup, dict[str, float], str | None]
 INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few per group
+WRITE_EVERY = 100  # judged groups written together
 
 
 def groups_for_judge(engine: Engine, groups: list[Group]) -> dict[str, JudgeInput]:
@@ -108,9 +110,9 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
     return out
 
 
-async def score_group(engine: Engine, group: Group, judge_input: JudgeInput, config: JudgeConfig,
-                      policy: RewardPolicy, semaphore: asyncio.Semaphore, cache: JudgeCache) -> bool:
-    """Judge one group (read by ``groups_for_judge``) and store its final rewards; False when the judge failed."""
+async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig, policy: RewardPolicy,
+                      semaphore: asyncio.Semaphore, cache: JudgeCache) -> list[dict[str, Any]] | None:
+    """Judge one group (read by ``groups_for_judge``): its final reward rows, or None when the judge failed."""
     trajectories, feedback, task = judge_input
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
@@ -123,10 +125,8 @@ async def score_group(engine: Engine, group: Group, judge_input: JudgeInput, con
         log.info("group %s scored from client feedback alone (judge %s)", group.id,
                  "off" if not config.enabled else "failed")
     if scored is None:
-        return False
-    final = apply_rewards(scored, feedback, policy)
-    await asyncio.to_thread(_store_rewards, engine, group.id, final, judge_model, rubric_hash(rubric))
-    return True
+        return None
+    return reward_rows(group.id, apply_rewards(scored, feedback, policy), judge_model, rubric_hash(rubric))
 
 
 def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dict[str, float]) -> bool:
@@ -134,8 +134,7 @@ def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dic
     return policy.policy == "feedback_overrides" and all(t.id in feedback for t in group.trajectories)
 
 
-def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str | None,
-                   rubric: str) -> None:
+def reward_rows(group_id: str, group: TrajectoryGroup, judge_model: str | None, rubric: str) -> list[dict[str, Any]]:
     rows = []
     for trajectory in group.trajectories:
         source = trajectory.metadata.get("reward_source")
@@ -145,9 +144,15 @@ def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_
         rows.append(Score(id=new_id("score"), trajectory_id=trajectory.id, group_id=group_id, source="reward",
                           value=trajectory.reward, explanation=f"{source}: {explanation}", judge_model=judge_model,
                           rubric_hash=rubric, prompt_version=PROMPT_VERSION).model_dump())
+    return rows
+
+
+def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    """The judged groups' final rewards, and their status ``scored``, in one transaction."""
     with Session(engine) as session:
-        bulk_insert(session, Score, rows)  # one multi-row insert: the ORM writes row by row
-        session.execute(update(Group).where(col(Group.id) == group_id).values(status="scored"))
+        bulk_insert(session, Score, [row for _, rows in judged for row in rows])  # the ORM writes row by row
+        for ids in chunks([group_id for group_id, _ in judged], 500):
+            session.execute(update(Group).where(col(Group.id).in_(ids)).values(status="scored"))
         session.commit()
 
 
@@ -162,8 +167,17 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     semaphore = asyncio.Semaphore(config.max_concurrency)
     cache = JudgeCache(engine)
 
+    judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
+
     async def one(group: Group) -> None:
-        ok = await score_group(engine, group, inputs[group.id], config, policy, semaphore, cache)
+        rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache)
+        ok = rows is not None
+        if rows is not None:
+            judged.append((group.id, rows))
+            if len(judged) >= WRITE_EVERY:  # a long run (a backlog) keeps what it judged as it goes
+                batch = judged[:]
+                judged.clear()
+                await asyncio.to_thread(_store_rewards, engine, batch)
         if ok:
             summary.scored += 1
             summary.trajectories += group.size
@@ -174,6 +188,8 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
             on_group_done(group, ok)
 
     await asyncio.gather(*(one(g) for g in groups))
+    if judged:
+        await asyncio.to_thread(_store_rewards, engine, judged)
     summary.seconds = time.perf_counter() - started
     log.info("scored %d/%d groups (%d failed) in %.1f s at %s", summary.scored, summary.groups, summary.failed,
              summary.seconds, utcnow().isoformat(timespec="seconds"))
