@@ -194,15 +194,10 @@ def serving(store: Store, settings: Settings) -> dict[str, AliasVersions]:
     """Per alias: the version serving it, the oldest in flight (training, candidate or canary), the one
     training now and the newest waiting for its gate, each or None. A round may train while an older
     version is on canary (docs/loop.md)."""
-    out: dict[str, AliasVersions] = {}
     with store.session() as session:
-        for alias in settings.aliases:
-            rows = {"serving": versions.serving(session, alias), "in_flight": versions.in_flight(session, alias),
-                    "training": versions.training(session, alias),
-                    "waiting": versions.newest_candidate(session, alias)}
-            out[alias] = AliasVersions(**{key: Version.model_validate(row) if row else None
-                                          for key, row in rows.items()})
-    return out
+        found = versions.at_a_glance(session, list(settings.aliases))
+    return {alias: AliasVersions(**{key: Version.model_validate(row) if row else None for key, row in rows.items()})
+            for alias, rows in found.items()}
 
 
 def training_head(store: Store, settings: Settings, alias: str) -> Version | None:
