@@ -314,14 +314,14 @@ class Store:
 
     def _close_idle(self, idle_s: float, now: datetime) -> int:
         cutoff = datetime.fromtimestamp(now.timestamp() - idle_s, tz=now.tzinfo)
-        with self.session() as session:
-            rows = session.exec(select(Trajectory).where(Trajectory.status == "open",
-                                                         col(Trajectory.updated_at) < cutoff)).all()
-            for trajectory in rows:
-                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", now, "idle"
-                session.add(trajectory)
+        with self.session() as session:  # set-based: the loop runs this every few seconds
+            closed = session.execute(update(Trajectory).where(col(Trajectory.status) == "open",
+                                                              col(Trajectory.updated_at) < cutoff)
+                                     .values(status="closed", closed_at=now, close_reason="idle")
+                                     .returning(col(Trajectory.id))
+                                     .execution_options(synchronize_session=False)).all()
             session.commit()
-            return len(rows)
+            return len(closed)
 
     def close_trajectory(self, trajectory_id: str, reason: str = "client") -> None:
         """Close a trajectory, and its sub-agents' still open (reason ``parent``): the conversation they served

@@ -1,5 +1,6 @@
 """The loop's incremental jobs: group formation and reward per version from a watermark never lose a trajectory,
-and find what a full pass finds; and the record of the jobs' runs, where an idle run replaces the last idle one."""
+and find what a full pass finds; the idle close; and the record of the jobs' runs, where an idle run replaces the last
+idle one."""
 
 from __future__ import annotations
 
@@ -150,3 +151,17 @@ def test_an_idle_run_replaces_the_previous_idle_run_of_its_job_and_alias_only(st
     assert set(rows) == {*kept, latest}  # only the earlier idle run of score (alias-wide) is gone
     assert (rows[latest].status, rows[latest].counts, rows[latest].detail) == ("idle", {"n": 1}, "score idle")
     assert rows[latest].finished_at is not None
+
+
+def test_the_idle_close_closes_only_open_trajectories_quiet_for_idle_s(store: Store) -> None:
+    now = utcnow()
+    closed(store, "done", "t", now - timedelta(hours=1))
+    with store.session() as session:
+        for trajectory_id, quiet_s in (("quiet", 120), ("busy", 5)):
+            session.add(Trajectory(id=trajectory_id, alias="a", updated_at=now - timedelta(seconds=quiet_s)))
+        session.commit()
+    assert store.close_idle(60, now) == 1
+    assert store.close_idle(60, now) == 0
+    with store.session() as session:
+        rows = {t.id: (t.status, t.close_reason) for t in session.exec(select(Trajectory))}
+    assert rows == {"done": ("closed", "idle"), "quiet": ("closed", "idle"), "busy": ("open", None)}
