@@ -29,6 +29,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from flywheel.capture.models import Score
+from flywheel.capture.store import bulk_insert
 from flywheel.judge.rubric import PROMPT_VERSION
 from flywheel.judge.ruler import RulerResult, RulerScore
 
@@ -126,6 +127,6 @@ class JudgeCache:
                     "prompt_version": result.prompt_version,
                 }
                 rows.append(Score(**fields))
-            session.add_all(rows)
+            bulk_insert(session, Score, [row.model_dump() for row in rows])  # one insert, not the ORM's flush
             session.commit()
         return rows
