@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from orjson import dumps
-from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text
+from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
@@ -314,35 +314,35 @@ class Store:
 
     def _close_idle(self, idle_s: float, now: datetime) -> int:
         cutoff = datetime.fromtimestamp(now.timestamp() - idle_s, tz=now.tzinfo)
-        with self.session() as session:
-            rows = session.exec(select(Trajectory).where(Trajectory.status == "open",
-                                                         col(Trajectory.updated_at) < cutoff)).all()
-            for trajectory in rows:
-                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", now, "idle"
-                session.add(trajectory)
+        with self.session() as session:  # set-based: the loop runs this every few seconds
+            closed = session.execute(update(Trajectory).where(col(Trajectory.status) == "open",
+                                                              col(Trajectory.updated_at) < cutoff)
+                                     .values(status="closed", closed_at=now, close_reason="idle")
+                                     .returning(col(Trajectory.id))
+                                     .execution_options(synchronize_session=False)).all()
             session.commit()
-            return len(rows)
+            return len(closed)
 
-    def close_trajectory(self, trajectory_id: str, reason: str = "client") -> Trajectory | None:
+    def close_trajectory(self, trajectory_id: str, reason: str = "client") -> None:
         """Close a trajectory, and its sub-agents' still open (reason ``parent``): the conversation they served
         is over."""
-        return retry_on_conflict(lambda: self._close_trajectory(trajectory_id, reason))
+        def write() -> None:
+            with self.session() as session:
+                close_in(session, trajectory_id, reason)
+                session.commit()
+        retry_on_conflict(write)
 
-    def _close_trajectory(self, trajectory_id: str, reason: str) -> Trajectory | None:
-        with self.session() as session:
-            trajectory = session.get(Trajectory, trajectory_id)
-            if trajectory is None:
-                return None
-            now = utcnow()
-            if trajectory.status != "closed":
-                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", now, reason
-                session.add(trajectory)
-            for sub_agent in session.exec(select(Trajectory).where(Trajectory.parent_trajectory_id == trajectory_id,
-                                                                   Trajectory.status == "open")).all():
-                sub_agent.status, sub_agent.closed_at, sub_agent.close_reason = "closed", now, "parent"
-                session.add(sub_agent)
-            session.commit()
-            return trajectory
+
+def close_in(session: Session, trajectory_id: str, reason: str) -> None:
+    """``Store.close_trajectory`` inside the caller's transaction: two set-based updates, no rows loaded."""
+    now = utcnow()
+    session.execute(update(Trajectory).where(col(Trajectory.id) == trajectory_id, col(Trajectory.status) != "closed")
+                    .values(status="closed", closed_at=now, close_reason=reason)
+                    .execution_options(synchronize_session=False))
+    session.execute(update(Trajectory).where(col(Trajectory.parent_trajectory_id) == trajectory_id,
+                                             col(Trajectory.status) == "open")
+                    .values(status="closed", closed_at=now, close_reason="parent")
+                    .execution_options(synchronize_session=False))
 
 
 _META = SchemaMeta.__table__  # type: ignore[attr-defined]

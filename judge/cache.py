@@ -29,6 +29,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from flywheel.capture.models import Score
+from flywheel.capture.store import bulk_insert
 from flywheel.judge.rubric import PROMPT_VERSION
 from flywheel.judge.ruler import RulerResult, RulerScore
 
@@ -98,17 +99,18 @@ class JudgeCache:
         return None
 
     def put(self, key: str, result: RulerResult, trajectory_ids: Sequence[str | None],
-            group_id: str | None = None) -> list[Score]:
+            group_id: str | None = None, *, none_stored: bool = False) -> list[Score]:
         """Store ``result`` as one batch of rows; a batch already stored for the same trajectories is kept.
 
         ``trajectory_ids[i]`` is the store id of the trajectory scored by ``result.scores[i]``;
-        ``None`` (an in-memory trajectory) is stored as ``#<i+1>``. Returns the batch's rows.
+        ``None`` (an in-memory trajectory) is stored as ``#<i+1>``. ``none_stored``: :meth:`get` found no
+        batch for ``key`` under the caller's :meth:`claim`, so none is looked for again. Returns the batch's rows.
         """
         if len(trajectory_ids) != len(result.scores):
             raise ValueError(f"{len(trajectory_ids)} trajectory ids for {len(result.scores)} scores")
         ids = [tid or placeholder_trajectory_id(i) for i, tid in enumerate(trajectory_ids)]
         with Session(self.engine, expire_on_commit=False) as session:
-            for rows in self._batches(session, key).values():
+            for rows in ({} if none_stored else self._batches(session, key)).values():
                 if [row.trajectory_id for row in rows] == ids and rows[0].group_id == group_id:
                     return rows  # the same group again: never two batches for one judging
             batch = f"rs_{uuid.uuid4().hex[:16]}"
@@ -125,6 +127,6 @@ class JudgeCache:
                     "prompt_version": result.prompt_version,
                 }
                 rows.append(Score(**fields))
-            session.add_all(rows)
+            bulk_insert(session, Score, [row.model_dump() for row in rows])  # one insert, not the ORM's flush
             session.commit()
         return rows

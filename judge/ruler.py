@@ -528,7 +528,7 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
                         timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
                         backoff_max_s=backoff_max_s, semaphore=semaphore, extra_litellm_params=extra_litellm_params)
                 # A hit for other trajectories (same content, another group) still records their rows.
-                cache.put(key, result, trajectory_ids, group.id)
+                cache.put(key, result, trajectory_ids, group.id, none_stored=hit is None)
     except JudgeError as exc:
         if not swallow_exceptions:
             raise

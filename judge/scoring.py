@@ -12,15 +12,18 @@ retries stays ``closed`` and is tried again by the next run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
 
 from flywheel.capture.groups import branch_messages, branches, member_messages, with_sub_agents
+from flywheel.capture.linker import chunks
 from flywheel.capture.models import Feedback, Group, Score, utcnow
 from flywheel.capture.models import GroupMember as GroupMemberRow
 from flywheel.capture.store import bulk_insert
@@ -55,16 +58,44 @@ def pending_groups(engine: Engine, alias: str | None = None, limit: int | None =
         return list(session.exec(query))
 
 
-def group_for_judge(engine: Engine, group: Group) -> tuple[TrajectoryGroup, dict[str, float], str | None]:
-    """The group as trajectories, the members' latest feedback rewards, and the task key (for the rubric)."""
+JudgeInput = tuple[TrajectoryGroup, dict[str, float], str | None]
+INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few per group
+WRITE_EVERY = 100  # judged groups written together
+
+
+def groups_for_judge(engine: Engine, groups: list[Group]) -> dict[str, JudgeInput]:
+    """Each group (by id) as trajectories, the members' latest feedback rewards, and the task key (for the
+    rubric); read for many groups at once, one query per table."""
+    out: dict[str, JudgeInput] = {}
     with Session(engine) as session:
-        members = list(session.exec(select(GroupMemberRow).where(GroupMemberRow.group_id == group.id)))
-        fork = group.source == "fork"
-        paths = branches(session, members, single_turn=fork)  # one query, not one per turn
-        parents = set() if fork else with_sub_agents(session, [m.trajectory_id for m in members])
+        for chunk in chunks(groups, INPUT_CHUNK):
+            out.update(_groups_for_judge(session, chunk))
+    return out
+
+
+def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeInput]:
+    members_of: dict[str, list[GroupMemberRow]] = {g.id: [] for g in groups}
+    for member in session.exec(select(GroupMemberRow).where(col(GroupMemberRow.group_id).in_(list(members_of)))):
+        members_of[member.group_id].append(member)
+    forks = [m for g in groups if g.source == "fork" for m in members_of[g.id]]
+    others = [m for g in groups if g.source != "fork" for m in members_of[g.id]]
+    # Kept apart: a fork group's leaf (its turn alone) may also end a task group's member (its whole branch).
+    fork_paths = branches(session, forks, single_turn=True) if forks else {}
+    other_paths = branches(session, others) if others else {}
+    parents = with_sub_agents(session, [m.trajectory_id for m in others]) if others else set()
+    feedback: dict[str, float] = {}
+    for trajectory_id, reward, label in session.execute(
+            select(Feedback.trajectory_id, Feedback.reward, Feedback.label)
+            .where(col(Feedback.trajectory_id).in_(list({m.trajectory_id for m in forks + others})))
+            .order_by(col(Feedback.created_at))):
+        with contextlib.suppress(InvalidFeedbackError):  # validated on the way in: an old bad row is skipped
+            feedback[trajectory_id] = feedback_reward(reward, label)
+    out: dict[str, JudgeInput] = {}
+    for group in groups:
         trajectories = []
         task = None
-        for member in members:
+        paths = fork_paths if group.source == "fork" else other_paths
+        for member in members_of[group.id]:
             if member.leaf_turn_id is None:
                 continue
             turns = paths[member.leaf_turn_id]
@@ -73,21 +104,16 @@ def group_for_judge(engine: Engine, group: Group) -> tuple[TrajectoryGroup, dict
                 if member.trajectory_id in parents else branch_messages(turns)
             trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,
                                            id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id))
-        feedback: dict[str, float] = {}
-        ids = [m.trajectory_id for m in members]
-        for row in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(ids))
-                                .order_by(col(Feedback.created_at))):
-            try:
-                feedback[row.trajectory_id] = feedback_reward(row.reward, row.label)
-            except InvalidFeedbackError:
-                continue  # validated on the way in; an old bad row is not worth failing the group
-    return TrajectoryGroup(trajectories=trajectories, id=group.id), feedback, task
+        ids = {m.trajectory_id for m in members_of[group.id]}
+        out[group.id] = (TrajectoryGroup(trajectories=trajectories, id=group.id),
+                         {tid: reward for tid, reward in feedback.items() if tid in ids}, task)
+    return out
 
 
-async def score_group(engine: Engine, group: Group, config: JudgeConfig, policy: RewardPolicy,
-                      semaphore: asyncio.Semaphore, cache: JudgeCache) -> bool:
-    """Judge one group and store its final rewards; False when the judge failed."""
-    trajectories, feedback, task = await asyncio.to_thread(group_for_judge, engine, group)
+async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig, policy: RewardPolicy,
+                      semaphore: asyncio.Semaphore, cache: JudgeCache) -> list[dict[str, Any]] | None:
+    """Judge one group (read by ``groups_for_judge``): its final reward rows, or None when the judge failed."""
+    trajectories, feedback, task = judge_input
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
     scored: TrajectoryGroup | None = None
@@ -99,10 +125,8 @@ async def score_group(engine: Engine, group: Group, config: JudgeConfig, policy:
         log.info("group %s scored from client feedback alone (judge %s)", group.id,
                  "off" if not config.enabled else "failed")
     if scored is None:
-        return False
-    final = apply_rewards(scored, feedback, policy)
-    await asyncio.to_thread(_store_rewards, engine, group.id, final, judge_model, rubric_hash(rubric))
-    return True
+        return None
+    return reward_rows(group.id, apply_rewards(scored, feedback, policy), judge_model, rubric_hash(rubric))
 
 
 def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dict[str, float]) -> bool:
@@ -110,8 +134,7 @@ def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dic
     return policy.policy == "feedback_overrides" and all(t.id in feedback for t in group.trajectories)
 
 
-def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_model: str | None,
-                   rubric: str) -> None:
+def reward_rows(group_id: str, group: TrajectoryGroup, judge_model: str | None, rubric: str) -> list[dict[str, Any]]:
     rows = []
     for trajectory in group.trajectories:
         source = trajectory.metadata.get("reward_source")
@@ -121,9 +144,15 @@ def _store_rewards(engine: Engine, group_id: str, group: TrajectoryGroup, judge_
         rows.append(Score(id=new_id("score"), trajectory_id=trajectory.id, group_id=group_id, source="reward",
                           value=trajectory.reward, explanation=f"{source}: {explanation}", judge_model=judge_model,
                           rubric_hash=rubric, prompt_version=PROMPT_VERSION).model_dump())
+    return rows
+
+
+def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    """The judged groups' final rewards, and their status ``scored``, in one transaction."""
     with Session(engine) as session:
-        bulk_insert(session, Score, rows)  # one multi-row insert: the ORM writes row by row
-        session.execute(update(Group).where(col(Group.id) == group_id).values(status="scored"))
+        bulk_insert(session, Score, [row for _, rows in judged for row in rows])  # the ORM writes row by row
+        for ids in chunks([group_id for group_id, _ in judged], 500):
+            session.execute(update(Group).where(col(Group.id).in_(ids)).values(status="scored"))
         session.commit()
 
 
@@ -133,12 +162,22 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     """Score every closed, unscored group (optionally of one alias), ``max_concurrency`` calls at a time."""
     started = time.perf_counter()
     groups = await asyncio.to_thread(pending_groups, engine, alias, limit)
+    inputs = await asyncio.to_thread(groups_for_judge, engine, groups)
     summary = ScoringSummary(groups=len(groups))
     semaphore = asyncio.Semaphore(config.max_concurrency)
     cache = JudgeCache(engine)
 
+    judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
+
     async def one(group: Group) -> None:
-        ok = await score_group(engine, group, config, policy, semaphore, cache)
+        rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache)
+        ok = rows is not None
+        if rows is not None:
+            judged.append((group.id, rows))
+            if len(judged) >= WRITE_EVERY:  # a long run (a backlog) keeps what it judged as it goes
+                batch = judged[:]
+                judged.clear()
+                await asyncio.to_thread(_store_rewards, engine, batch)
         if ok:
             summary.scored += 1
             summary.trajectories += group.size
@@ -149,6 +188,8 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
             on_group_done(group, ok)
 
     await asyncio.gather(*(one(g) for g in groups))
+    if judged:
+        await asyncio.to_thread(_store_rewards, engine, judged)
     summary.seconds = time.perf_counter() - started
     log.info("scored %d/%d groups (%d failed) in %.1f s at %s", summary.scored, summary.groups, summary.failed,
              summary.seconds, utcnow().isoformat(timespec="seconds"))

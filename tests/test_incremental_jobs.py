@@ -1,5 +1,6 @@
 """The loop's incremental jobs: group formation and reward per version from a watermark never lose a trajectory,
-and find what a full pass finds."""
+and find what a full pass finds; the idle close; and the record of the jobs' runs, where an idle run replaces the last
+idle one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from sqlmodel import select
 
-from flywheel.capture.models import Feedback, Group, GroupMember, Score, Trajectory, Turn, utcnow
+from flywheel.capture.models import Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.storeproc import store_ops
@@ -134,3 +135,33 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
     final = from_scratch(store)["versions"]
     assert {v: c["n"] for v, c in final.items()} == {"0": 2, "1": 2, "2": 1}
     assert final["0"]["mean"] == pytest.approx(0.5) and final["1"]["mean"] == pytest.approx(0.7)
+
+
+def test_an_idle_run_replaces_the_previous_idle_run_of_its_job_and_alias_only(store: Store) -> None:
+    def run(job: str, alias: str | None, status: str) -> str:
+        run_id = store_ops.job_started(store, SETTINGS, job, alias)
+        store_ops.job_finished(store, SETTINGS, run_id, status, {"n": 1}, f"{job} {status}")
+        return run_id
+
+    kept = [run("score", None, "ok"), run("score", "a", "idle"), run("form_groups", None, "idle")]
+    run("score", None, "idle")
+    latest = run("score", None, "idle")
+    with store.session() as session:
+        rows = {r.id: r for r in session.exec(select(JobRun))}
+    assert set(rows) == {*kept, latest}  # only the earlier idle run of score (alias-wide) is gone
+    assert (rows[latest].status, rows[latest].counts, rows[latest].detail) == ("idle", {"n": 1}, "score idle")
+    assert rows[latest].finished_at is not None
+
+
+def test_the_idle_close_closes_only_open_trajectories_quiet_for_idle_s(store: Store) -> None:
+    now = utcnow()
+    closed(store, "done", "t", now - timedelta(hours=1))
+    with store.session() as session:
+        for trajectory_id, quiet_s in (("quiet", 120), ("busy", 5)):
+            session.add(Trajectory(id=trajectory_id, alias="a", updated_at=now - timedelta(seconds=quiet_s)))
+        session.commit()
+    assert store.close_idle(60, now) == 1
+    assert store.close_idle(60, now) == 0
+    with store.session() as session:
+        rows = {t.id: (t.status, t.close_reason) for t in session.exec(select(Trajectory))}
+    assert rows == {"done": ("closed", "idle"), "quiet": ("closed", "idle"), "busy": ("open", None)}

@@ -142,3 +142,24 @@ def test_a_parent_tag_binds_only_an_existing_trajectory_of_the_same_key(
     assert copy_turn["parent_turn_id"] == parent["turns"][0]["id"]  # the history it repeated is kept
     assert copy_turn["link_rule"] == "prefix"
     gateway.stop()
+
+
+def test_feedback_closes_the_trajectory_and_its_open_sub_agents_for_its_own_key_only(
+        tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge)
+    run(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY_A, max_retries=0), "run-a", "Be thorough.",
+        tag_in_body=False)
+    feedback = f"{gateway.url}/flywheel/v1/feedback"
+    foreign = httpx.post(feedback, json={"trajectory_id": "run-a", "reward": 0.0},
+                         headers={"authorization": f"Bearer {KEY_B}"})
+    assert foreign.status_code == 404 and foreign.json()["error"]["param"] == "trajectory_id"
+    own = httpx.post(feedback, json={"trajectory_id": "run-a", "reward": 0.75},
+                     headers={"authorization": f"Bearer {KEY_A}"})
+    assert own.status_code == 200 and own.json()["trajectory_id"] == "run-a" and own.json()["reward"] == 0.75
+    with httpx.Client(base_url=f"{gateway.url}/flywheel/v1", headers=ADMIN, timeout=60) as admin:
+        parent = admin.get("/trajectories/run-a").json()
+    assert (parent["status"], parent["close_reason"]) == ("closed", "feedback")
+    assert [(s["status"], s["close_reason"]) for s in parent["sub_agents"]] == [("closed", "parent")]
+    assert [f["reward"] for f in parent["feedback"]] == [0.75]  # the refused one left nothing behind
+    gateway.stop()

@@ -74,3 +74,27 @@ def test_a_line_through_a_rolled_back_or_missing_version_ends_there(session: Ses
     trained(session, tmp_path, v1, "rejected", NOT_SHOWN_BETTER, files=False)
     assert head(session) == v1  # its files are gone: nothing to continue from
     assert versions.get(session, "agent", v2).status == "rolled_back"
+
+
+def test_the_versions_read_at_a_glance_are_those_of_the_single_queries(session: Session, tmp_path: Path) -> None:
+    def glance() -> dict[str, int | None]:
+        rows = versions.at_a_glance(session, ["agent", "other"])
+        assert rows["other"] == {"serving": None, "in_flight": None, "training": None, "waiting": None}
+        return {key: row.version if row else None for key, row in rows["agent"].items()}
+
+    def single() -> dict[str, int | None]:
+        rows = {"serving": versions.serving(session, "agent"), "in_flight": versions.in_flight(session, "agent"),
+                "training": versions.training(session, "agent"), "waiting": versions.newest_candidate(session, "agent")}
+        return {key: row.version if row else None for key, row in rows.items()}
+
+    assert glance() == single() == {"serving": None, "in_flight": None, "training": None, "waiting": None}
+    v1 = trained(session, tmp_path, None, "promoted")
+    assert glance() == single() == {"serving": v1, "in_flight": None, "training": None, "waiting": None}
+    for _ in range(2):  # two candidates waiting, then one training
+        versions.reserve(session, "agent", path_of=lambda n: tmp_path / "adapters" / str(n), base_model="tiny",
+                         parent_version=v1, status="candidate")
+    versions.reserve(session, "agent", path_of=lambda n: tmp_path / "adapters" / str(n), base_model="tiny",
+                     parent_version=v1)
+    assert glance() == single() == {"serving": v1, "in_flight": v1 + 1, "training": v1 + 3, "waiting": v1 + 2}
+    versions.promote(session, "agent", v1 + 2, reason="gate")
+    assert glance() == single() and glance()["serving"] == v1 + 2

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_
+from sqlalchemy import ColumnElement, and_, func, or_, update
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
@@ -194,15 +194,10 @@ def serving(store: Store, settings: Settings) -> dict[str, AliasVersions]:
     """Per alias: the version serving it, the oldest in flight (training, candidate or canary), the one
     training now and the newest waiting for its gate, each or None. A round may train while an older
     version is on canary (docs/loop.md)."""
-    out: dict[str, AliasVersions] = {}
     with store.session() as session:
-        for alias in settings.aliases:
-            rows = {"serving": versions.serving(session, alias), "in_flight": versions.in_flight(session, alias),
-                    "training": versions.training(session, alias),
-                    "waiting": versions.newest_candidate(session, alias)}
-            out[alias] = AliasVersions(**{key: Version.model_validate(row) if row else None
-                                          for key, row in rows.items()})
-    return out
+        found = versions.at_a_glance(session, list(settings.aliases))
+    return {alias: AliasVersions(**{key: Version.model_validate(row) if row else None for key, row in rows.items()})
+            for alias, rows in found.items()}
 
 
 def training_head(store: Store, settings: Settings, alias: str) -> Version | None:
@@ -262,17 +257,21 @@ def job_started(store: Store, settings: Settings, job: str, alias: str | None) -
 
 def job_finished(store: Store, settings: Settings, run_id: str, status: str, counts: dict[str, Any] | None = None,
                  detail: str | None = None, error: str | None = None) -> None:
-    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run."""
+    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run.
+
+    Set-based (an update, a delete), not the row loaded and written back: the loop finishes several runs a
+    second."""
     with store.session() as session:
-        run = session.get(JobRun, run_id)
-        if run is None:
-            return
-        run.status, run.finished_at, run.counts, run.detail, run.error = status, utcnow(), counts, detail, error
-        session.add(run)
+        session.execute(update(JobRun).where(col(JobRun.id) == run_id)
+                        .values(status=status, finished_at=utcnow(), counts=counts, detail=detail, error=error)
+                        .execution_options(synchronize_session=False))
         if status == "idle":
-            same_alias = col(JobRun.alias) == run.alias if run.alias is not None else col(JobRun.alias).is_(None)
-            session.exec(delete(JobRun).where(col(JobRun.job) == run.job, same_alias,
-                                              col(JobRun.status) == "idle", col(JobRun.id) != run_id))
+            def this_run(column: Any) -> Any:
+                return sa_select(column).where(col(JobRun.id) == run_id).scalar_subquery()
+            session.execute(delete(JobRun).where(col(JobRun.status) == "idle", col(JobRun.id) != run_id,
+                                                 col(JobRun.job) == this_run(col(JobRun.job)),
+                                                 col(JobRun.alias).is_not_distinct_from(this_run(col(JobRun.alias))))
+                            .execution_options(synchronize_session=False))
         session.commit()
 
 
@@ -312,17 +311,17 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
               versions_in: list[int] | None = None, judge_only: bool = False,
               ids: list[str] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
     """``trajectory_rewards``, with the ids of the mixed trajectories rather than their count."""
-    conditions: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
-                                             col(Trajectory.close_reason) != "fork", col(Turn.source) != "fork"]
+    chosen_ones: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
+                                              col(Trajectory.close_reason) != "fork"]
     if since is not None:
-        conditions.append(col(Trajectory.created_at) >= since)
+        chosen_ones.append(col(Trajectory.created_at) >= since)
     if until is not None:
-        conditions.append(col(Trajectory.created_at) < until)
+        chosen_ones.append(col(Trajectory.created_at) < until)
     if ids is not None:
-        conditions.append(col(Trajectory.id).in_(ids))
+        chosen_ones.append(col(Trajectory.id).in_(ids))
     query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
              .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
-             .where(*conditions).group_by(col(Trajectory.id), col(Trajectory.closed_at)))
+             .where(*chosen_ones, col(Turn.source) != "fork").group_by(col(Trajectory.id), col(Trajectory.closed_at)))
     rows = session.exec(query).all()
     mixed: set[str] = set()
     by_id: dict[str, dict[str, Any]] = {}
@@ -333,20 +332,22 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
         if versions_in is None or low in versions_in:
             by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
     chosen = list(by_id)
+    # One join per table over the same trajectories, read as tuples: no chunked IN lists, no ORM objects.
     rewards: dict[str, float] = {}
-    for start in range(0, len(chosen), 500):
-        chunk = chosen[start:start + 500]
-        if not judge_only:
-            for feedback in session.exec(select(Feedback).where(col(Feedback.trajectory_id).in_(chunk))
-                                         .order_by(col(Feedback.created_at))):
-                try:
-                    rewards[feedback.trajectory_id] = feedback_reward(feedback.reward, feedback.label)
-                except InvalidFeedbackError:
-                    continue
-        for score_row in session.exec(select(Score).where(col(Score.trajectory_id).in_(chunk),
-                                                          Score.source == "reward")
-                                      .order_by(col(Score.created_at))):
-            rewards[score_row.trajectory_id] = score_row.value  # the scoring job's final word wins
+    if not judge_only:
+        for trajectory_id, reward, label in session.execute(
+                sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
+                .join(Trajectory, col(Trajectory.id) == col(Feedback.trajectory_id)).where(*chosen_ones)
+                .order_by(col(Feedback.created_at))):
+            if trajectory_id in by_id:
+                with contextlib.suppress(InvalidFeedbackError):
+                    rewards[trajectory_id] = feedback_reward(reward, label)
+    for trajectory_id, value in session.execute(
+            sa_select(col(Score.trajectory_id), col(Score.value))
+            .join(Trajectory, col(Trajectory.id) == col(Score.trajectory_id))
+            .where(*chosen_ones, col(Score.source) == "reward").order_by(col(Score.created_at))):
+        if trajectory_id in by_id:
+            rewards[trajectory_id] = value  # the scoring job's final word wins
     out = [{**by_id[i], "reward": rewards[i]} for i in chosen if i in rewards and math.isfinite(rewards[i])]
     out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
     for row in out:

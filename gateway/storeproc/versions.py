@@ -13,6 +13,7 @@ Statuses: ``training`` -> ``candidate`` | ``failed``; ``candidate`` -> ``canary`
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,26 @@ def in_flight(session: Session, alias: str) -> AdapterVersion | None:
     return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
                                                      col(AdapterVersion.status).in_(IN_FLIGHT))
                         .order_by(col(AdapterVersion.version)).limit(1)).first()
+
+
+def _promoted_at(row: AdapterVersion) -> float:
+    return row.promoted_at.timestamp() if row.promoted_at else -math.inf  # as ``serving``'s order: NULL last
+
+
+def at_a_glance(session: Session, aliases: list[str]) -> dict[str, dict[str, AdapterVersion | None]]:
+    """``serving``, ``in_flight``, ``training`` and ``newest_candidate`` of each alias, from one query: the loop's
+    ticks and the status poll read them several times a second."""
+    rows = session.exec(select(AdapterVersion).where(col(AdapterVersion.alias).in_(aliases),
+                                                     col(AdapterVersion.status).in_(("promoted", *IN_FLIGHT)))).all()
+    out: dict[str, dict[str, AdapterVersion | None]] = {}
+    for alias in aliases:
+        mine = sorted((row for row in rows if row.alias == alias), key=lambda row: row.version)
+        promoted = [row for row in mine if row.status == "promoted"]
+        out[alias] = {"serving": max(promoted, key=_promoted_at, default=None),
+                      "in_flight": next((row for row in mine if row.status in IN_FLIGHT), None),
+                      "training": next((row for row in mine if row.status == "training"), None),
+                      "waiting": next((row for row in reversed(mine) if row.status == "candidate"), None)}
+    return out
 
 
 def shown_worse(row: AdapterVersion) -> bool:

@@ -14,11 +14,12 @@ import asyncio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
-from sqlmodel import col, select
+from sqlalchemy import insert
+from sqlmodel import Session, col, select
 from starlette.responses import Response
 
 from flywheel.capture.models import Feedback, Trajectory, Turn
-from flywheel.capture.store import Store
+from flywheel.capture.store import Store, close_in, retry_on_conflict
 from flywheel.capture.turns import new_id
 from flywheel.gateway.core.errors import BadRequest, NotFound
 from flywheel.gateway.core.http import json_response
@@ -50,28 +51,35 @@ class ScoreQuery(BaseModel):
     alias: str | None = Field(default=None, description="only this alias's groups")
 
 
-def _find_trajectory(store: Store, trajectory_id: str | None, completion_id: str | None,
+def _find_trajectory(session: Session, trajectory_id: str | None, completion_id: str | None,
                      client_key_id: str | None) -> str | None:
-    with store.session() as session:
-        if trajectory_id:
-            found = session.get(Trajectory, trajectory_id)
-            ok = found is not None and (client_key_id is None or found.client_key_id == client_key_id)
-            return trajectory_id if ok else None
-        query = select(Turn.trajectory_id).where(Turn.completion_id == completion_id, Turn.source != "fork")
-        if client_key_id is not None:
-            query = query.where(col(Turn.client_key_id) == client_key_id)
-        return session.exec(query.limit(1)).first()
+    if trajectory_id:
+        found = session.execute(select(Trajectory.client_key_id).where(Trajectory.id == trajectory_id)).first()
+        ok = found is not None and (client_key_id is None or found[0] == client_key_id)
+        return trajectory_id if ok else None
+    query = select(Turn.trajectory_id).where(Turn.completion_id == completion_id, Turn.source != "fork")
+    if client_key_id is not None:
+        query = query.where(col(Turn.client_key_id) == client_key_id)
+    return session.exec(query.limit(1)).first()
 
 
-def _record_feedback(store: Store, trajectory_id: str, request: FeedbackRequest, client_key_id: str | None) -> str:
-    feedback_id = new_id("fb")
-    with store.session() as session:
-        session.add(Feedback(id=feedback_id, trajectory_id=trajectory_id, completion_id=request.completion_id,
-                             reward=request.reward, label=request.label, comment=request.comment,
-                             client_key_id=client_key_id))
-        session.commit()
-    store.close_trajectory(trajectory_id, reason="feedback")
-    return feedback_id
+def _record_feedback(store: Store, request: FeedbackRequest, client_key_id: str | None) -> tuple[str, str] | None:
+    """Find the trajectory, record the feedback and close the trajectory in one transaction: (trajectory id,
+    feedback id), or None when no trajectory matches."""
+    def write() -> tuple[str, str] | None:
+        with store.session() as session:
+            trajectory_id = _find_trajectory(session, request.trajectory_id, request.completion_id, client_key_id)
+            if trajectory_id is None:
+                return None
+            feedback_id = new_id("fb")
+            row = Feedback(id=feedback_id, trajectory_id=trajectory_id, completion_id=request.completion_id,
+                           reward=request.reward, label=request.label, comment=request.comment,
+                           client_key_id=client_key_id)
+            session.execute(insert(Feedback).values(row.model_dump()))
+            close_in(session, trajectory_id, "feedback")
+            session.commit()
+            return trajectory_id, feedback_id
+    return retry_on_conflict(write)
 
 
 @router.post("/feedback", openapi_extra=json_body(FeedbackRequest), responses=ERRORS)
@@ -87,12 +95,11 @@ async def post_feedback(request: Request) -> Response:
         raise BadRequest(f"Invalid feedback: {exc}", param="label" if feedback.label else "reward") from None
     store = state.store
     await state.caught_up(request)  # a completion answered a moment ago may still be on its way in
-    trajectory_id = await asyncio.to_thread(_find_trajectory, store, feedback.trajectory_id, feedback.completion_id,
-                                            key_id)
-    if trajectory_id is None:
+    recorded = await asyncio.to_thread(_record_feedback, store, feedback, key_id)
+    if recorded is None:
         param = "trajectory_id" if feedback.trajectory_id else "completion_id"
         raise NotFound(f"No captured trajectory for {param} '{body[param]}'.", param=param, code="not_found")
-    feedback_id = await asyncio.to_thread(_record_feedback, store, trajectory_id, feedback, key_id)
+    trajectory_id, feedback_id = recorded
     return Response(orjson.dumps({"id": feedback_id, "object": "flywheel.feedback", "trajectory_id": trajectory_id,
                                   "reward": reward}), media_type="application/json")
 
