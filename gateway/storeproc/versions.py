@@ -239,7 +239,3 @@ def fail_stale(session: Session) -> int:
     session.commit()
     return len(rows)
 
-
-def to_json(row: AdapterVersion) -> dict[str, Any]:
-    return row.model_dump(mode="json")
-
