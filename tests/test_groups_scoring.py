@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +184,24 @@ def test_cli_groups_and_score_through_the_gateway_and_on_the_file(
     assert len(judge.requests) == 2
     again = flywheel("score", "--database", database)
     assert again.stdout.startswith("scored 0/0 groups") and len(judge.requests) == 2
+
+
+def test_two_scoring_runs_at_once_judge_each_group_once(tmp_path: Path) -> None:
+    """The loop's run and ``POST /jobs/score`` may overlap: one waits for the other, so no group is judged twice
+    and neither fails writing its rewards (on DuckDB both would mark the same groups scored: a write conflict)."""
+    with ScriptedOpenAI(reply=answer) as upstream, ScriptedJudge(target=("good", "sample"), delay_s=0.3) as judge:
+        gateway = start(tmp_path, upstream, judge, "[loop]\nscore_every_s = 3600")
+        try:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+            for i in range(4):
+                client.chat.completions.create(model="agent", messages=[{"role": "user", "content": f"say {i}"}],
+                                               extra_headers={"X-Flywheel-Fork": "2"})
+            assert len(httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]) == 4
+            with ThreadPoolExecutor(2) as pool:
+                runs = list(pool.map(lambda _: httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN,
+                                                          timeout=60), range(2)))
+            assert [run.status_code for run in runs] == [200, 200], [run.text for run in runs]
+            assert sorted(run.json()["scored"] for run in runs) == [0, 4]
+            assert len(judge.requests) == 4
+        finally:
+            gateway.stop()

@@ -74,6 +74,8 @@ def test_rounds_of_capture_score_train_raise_the_reward(tmp_path: Path, judge: S
 admin_key = "admin"
 {judge.config_toml}[groups]
 form_every_s = 3600
+[loop]
+score_every_s = 3600  # the test scores by hand, each round's groups once
 [loop.gate]
 holdout_fraction = 0.0  # each forked request must form its group
 """)).start()

@@ -8,6 +8,7 @@ gateway runs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -121,10 +122,16 @@ def run_group_formation(store: Store, settings: Settings) -> list[FormedGroup]:
     return [FormedGroup(id=g.id, source=g.source, key=g.key, alias=g.alias, size=g.size) for g in groups]
 
 
+SCORING: weakref.WeakKeyDictionary[Store, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
 async def score(store: Store, settings: Settings, alias: str | None = None) -> ScoreCounts:
+    """Score the pending groups; one run at a time (the loop's and ``POST /jobs/score``): two would judge the same
+    groups twice and conflict when they mark them scored."""
     from flywheel.judge.scoring import score_pending
 
-    summary = await score_pending(store.engine, settings.judge, settings.rewards, alias=alias)
+    async with SCORING.setdefault(store, asyncio.Lock()):
+        summary = await score_pending(store.engine, settings.judge, settings.rewards, alias=alias)
     return ScoreCounts(**asdict(summary))
 
 
