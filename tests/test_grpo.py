@@ -37,6 +37,7 @@ class Trained:
     tokenizer: Any
     result: RoundResult
     before: dict[str, float]  # answer -> total logprob under the base model (first question)
+    groups: list[TrainingGroup]  # what it trained on, sampled by the base model
 
 
 def logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
@@ -105,8 +106,9 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Train
     groups = [answer_group(tokenizer, base, q, f"q{i}") for i, q in enumerate(QUESTIONS)]
     groups.append(tool_group(tokenizer, base))
     out_dir = adapters.alias_dir(tmp_path_factory.mktemp("data"), "agent") / "1"  # version 1, as the store says
-    result = train_round(tiny_model, groups, GRPOArgs.tiny(max_steps=4, progress=False), out_dir=out_dir)
-    return Trained(tiny_model, tokenizer, result, answer_logprobs(tokenizer, base))
+    result = train_round(tiny_model, groups, GRPOArgs.tiny(max_steps=4, progress=False, proximal_policy="behaviour"),
+                         out_dir=out_dir)
+    return Trained(tiny_model, tokenizer, result, answer_logprobs(tokenizer, base), groups)
 
 
 def lora_tensors(path: Path) -> dict[str, Any]:
@@ -136,7 +138,7 @@ def test_trl_advantages_from_the_passthrough_rewards_equal_the_reference(trained
     assert all(s["advantage/trl_max_abs_diff"] < 1e-6 for s in trained.result.steps)
 
 
-def test_the_ratio_is_taken_against_the_captured_behaviour_logprobs(trained: Trained) -> None:
+def test_proximal_behaviour_takes_the_ratio_against_the_captured_logprobs(trained: Trained) -> None:
     steps = trained.result.steps
     assert all(s["behaviour/captured_logprob_frac"] == 1.0 for s in steps)
     # Step 1: the captured logprobs are the base model's own, so every ratio is 1 and nothing clips.
@@ -150,6 +152,23 @@ def test_the_ratio_is_taken_against_the_captured_behaviour_logprobs(trained: Tra
     metrics = trained.result.metrics
     assert metrics["losses/approx_kl"] == pytest.approx(sum(s["approx_kl"] for s in steps) / len(steps))
     assert metrics["losses/clipfrac"] == pytest.approx(sum(s["clip_ratio/region_mean"] for s in steps) / len(steps))
+
+
+def test_decoupled_the_ratio_is_taken_against_the_round_start_and_the_sampler_weighs_in(trained: Trained,
+                                                                                        tmp_path: Path) -> None:
+    # The same samples (drawn by the base model), trained further from the adapter above: an older sampler than
+    # the policy, as when the training line runs ahead of the serving version.
+    assert trained.result.adapter_dir is not None
+    result = train_round(trained.tiny, trained.groups, GRPOArgs.tiny(max_steps=6, progress=False),
+                         init_adapter=trained.result.adapter_dir, out_dir=tmp_path / "2")
+    steps = result.steps
+    assert all(s["behaviour/captured_logprob_frac"] == 1.0 for s in steps)
+    # Each sample's first step: the ratio is pi_theta / pi_prox = 1, however far the sampler is.
+    assert all(s["approx_kl"] < 1e-6 and s["clip_ratio/region_mean"] == 0.0 for s in steps[:3])
+    assert min(s["behaviour/kl"] for s in steps) > 1e-4  # the adapter is not the base model that sampled
+    # The second epoch: the same samples, the policy moved from where the round first met them.
+    assert min(s["approx_kl"] for s in steps[3:]) > 1e-6
+    assert result.metrics["behaviour/kl"] == pytest.approx(sum(s["behaviour/kl"] for s in steps) / len(steps))
 
 
 def test_the_rewarded_answer_gains_logprob_over_the_punished_one(trained: Trained) -> None:

@@ -41,8 +41,10 @@ REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.2, 0.9, 0.4, 0.4]]  # two groups of four att
 TOLERANCES = {"cpu": {"logps": (1.3e-6, 1e-5), "loss": (1e-5, 1e-7), "grad": (1e-4, 1e-7)},
               "cuda": {"logps": (1e-5, 1e-5), "loss": (1e-4, 1e-7), "grad": (1e-4, 1e-5)}}
 
-CASES = [(loss_type, level, 0.04) for loss_type in LOSS_TYPES for level in ("token", "sequence")]
-CASES += [("dapo", "token", 0.0), ("grpo", "sequence", 0.0)]
+CASES = [(loss_type, level, 0.04, False) for loss_type in LOSS_TYPES for level in ("token", "sequence")]
+CASES += [("dapo", "token", 0.0, False), ("grpo", "sequence", 0.0, False)]
+# decoupled PPO: the ratio against a proximal policy, each token weighted by min(pi_prox / mu, 3) (TRL: vLLM's)
+CASES += [("dapo", "token", 0.04, True), ("grpo", "sequence", 0.0, True), ("cispo", "token", 0.0, True)]
 MICRO_BATCHES, STEPS_PER_GENERATION = 2, 4  # a step of two micro-batches; the generation batch spans four
 
 
@@ -92,7 +94,7 @@ def fixed_batch() -> dict[str, Any]:
     return {"prompt_ids": b_ids[:, :6], "prompt_mask": torch.ones(8, 6, dtype=torch.long),
             "completion_ids": b_ids[:, 6:], "completion_mask": completion_mask, "tool_mask": tool_mask,
             "advantages": b_advantages, "num_items_in_batch": (completion_mask * tool_mask).sum() * 2.0,
-            "noise": torch.randn(2, 8, MAX_COMPLETION_LENGTH, generator=generator)}
+            "noise": torch.randn(3, 8, MAX_COMPLETION_LENGTH, generator=generator)}
 
 
 def policy_logps(model: Any, batch: dict[str, Any]) -> Any:
@@ -112,9 +114,11 @@ def lora_grads(model: Any) -> dict[str, Any]:
     return grads
 
 
-@pytest.mark.parametrize(("loss_type", "level", "beta"), CASES, ids=[f"{t}-{lv}-beta{b}" for t, lv, b in CASES])
+@pytest.mark.parametrize(("loss_type", "level", "beta", "decoupled"), CASES,
+                         ids=[f"{t}-{lv}-beta{b}" + ("-decoupled" if d else "") for t, lv, b, d in CASES])
 def test_the_loss_that_trains_equals_trl_in_value_gradient_and_diagnostics(tiny_model: Path, loss_type: str,
-                                                                           level: str, beta: float) -> None:
+                                                                           level: str, beta: float,
+                                                                           decoupled: bool) -> None:
     import torch
     from trl import GRPOTrainer
 
@@ -130,8 +134,14 @@ def test_the_loss_that_trains_equals_trl_in_value_gradient_and_diagnostics(tiny_
     inputs["old_per_token_logps"] = b_logps + 0.3 * batch["noise"][0]  # (B, T)
     if beta:
         inputs["ref_per_token_logps"] = b_logps + 0.3 * batch["noise"][1]  # (B, T)
+    if decoupled:  # behaviour weights around 1, some above the cap
+        inputs["importance_sampling_ratio"] = torch.exp(0.6 * batch["noise"][2]).clamp(max=3.0)  # (B, T)
+        assert float(inputs["importance_sampling_ratio"].max()) == 3.0
 
+    # TRL applies the weights only with its own vLLM sampling, whose correction they are
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = decoupled
     trl_loss = GRPOTrainer._compute_loss(trainer, model, inputs)  # TRL's reference: no longer what trains
+    trainer.use_vllm = False
     trl_loss.backward()
     trl_grads = lora_grads(model)
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}

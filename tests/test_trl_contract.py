@@ -127,11 +127,38 @@ def test_generate_and_score_returns_the_keys_the_wrapper_reads(trainer: Any) -> 
         CHANGED + "TRL's advantages no longer come from the rewards the rollout returned")
 
 
-def test_the_wrapper_clips_against_the_captured_logprobs_and_logs_approx_kl(trainer: Any) -> None:
+def test_decoupled_the_wrapper_takes_the_ratio_against_the_round_start_and_weighs_the_sampler(trainer: Any) -> None:
     import torch
 
     rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
+    trainer.proximal_logps.clear()
     output = trainer._generate_and_score_completions(rows)
+    b_mask = (output["completion_mask"] * output["tool_mask"]).bool()
+    prox = output["old_per_token_logps"]  # the policy's own at first sight (~ -7 on the random tiny model)
+    assert float(prox[b_mask].max()) < -3.0
+    weights = output["importance_sampling_ratio"]
+    captured = output["sampling_per_token_logps"]
+    known = ~torch.isnan(captured) & b_mask
+    # the sampler gave its tokens ~ -1: the policy finds them far less likely, pi_prox / mu is small but not 0
+    expected = torch.exp(prox[known] - captured[known]).clamp(max=3.0)
+    assert torch.allclose(weights[known], expected) and float(weights[known].max()) < 0.1
+    assert (weights[b_mask & ~known] == 1.0).all()  # unknown sampler: the proximal policy's own, weight 1
+    again = trainer._generate_and_score_completions(rows)  # the next epoch: pi_prox is kept, not recomputed
+    assert torch.equal(again["old_per_token_logps"], prox)
+    trainer.step_metrics.clear()
+    loss = trainer.compute_loss(trainer.model, output)
+    assert math.isfinite(loss.item()) and trainer.step_metrics["approx_kl"][0] < 1e-6  # the policy is pi_prox
+
+
+def test_proximal_behaviour_clips_against_the_captured_logprobs_and_logs_approx_kl(trainer: Any) -> None:
+    import torch
+
+    rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
+    trainer.proximal_policy = "behaviour"
+    try:
+        output = trainer._generate_and_score_completions(rows)
+    finally:
+        trainer.proximal_policy = "round"
     old = output["old_per_token_logps"]
     assert old[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4])
     assert not torch.isnan(old).any()  # unknown: TRL's own old logprobs, never NaN

@@ -136,6 +136,8 @@ def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: S
         "losses/entropy": mean("entropy"),
         "losses/grad_norm": mean("grad_norm"),
         "behaviour/captured_logprob_frac": mean("behaviour/captured_logprob_frac"),
+        "behaviour/kl": mean("behaviour/kl"),
+        "behaviour/weight_truncated_frac": mean("behaviour/weight_truncated_frac"),
         "charts/steps": float(global_step),
         "charts/train_seconds": seconds,
         "charts/tokens_per_s": rollout.tokens * args.num_iterations / seconds if seconds > 0 else float("nan"),
@@ -289,7 +291,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             trainer = captured_trainer_class()(
                 model=model, reward_funcs=[passthrough_reward], args=trl_config, train_dataset=dataset,
                 processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
-                max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
+                max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, proximal_policy=args.proximal_policy,
+                behaviour_weight_cap=args.behaviour_weight_cap)
         if not args.progress:  # without a progress bar the HF Trainer prints every log dict instead
             from transformers import PrinterCallback
 

@@ -35,6 +35,13 @@ class GRPOArgs:
     """passes over each batch of samples (PPO's epochs, TRL's mu); > 1 reuses data, which the clipping keeps safe"""
     temperature: float = 1.0
     """TRL divides logits by it; captured turns sampled otherwise (or with top_p < 1, ...) lose their logprobs"""
+    proximal_policy: Literal["round", "behaviour"] = "round"
+    """the policy PPO's ratio and clip are taken against. round: the policy as the round first trains on a sample,
+    with the behaviour policy's distance from it corrected by a truncated importance weight (decoupled PPO,
+    Hilton et al. 2022): a round still moves when its samples came from an older version. behaviour: the engine's
+    captured logprobs (PPO's own ratio), which stops a policy 1 +- epsilon away from whoever sampled"""
+    behaviour_weight_cap: float = 3.0
+    """the truncation of pi_prox / mu, the decoupled objective's behaviour weight (TRL's vLLM correction: 3.0)"""
 
     # LoRA (PEFT); ignored when continuing from init_adapter, whose own config is kept
     lora_r: int = 16
@@ -99,6 +106,8 @@ class GRPOArgs:
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:  # the ones trainer/grpo_loss.py writes out and tests against TRL
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {self.loss_type!r}")
+        if self.proximal_policy not in ("round", "behaviour"):
+            raise ValueError(f"proximal_policy must be round or behaviour, not {self.proximal_policy!r}")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be token or sequence, not "
                              f"{self.importance_sampling_level!r}")

@@ -12,11 +12,14 @@ tokens.
 1. **Advantages** (Shao et al. 2024, DeepSeekMath §4.1.2): every attempt i of a group gets
    ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, the same for all its tokens. They are computed
    before training, over each whole captured group: ``flywheel.trainer.samples.group_advantages``.
-2. **Ratio** of the policy being trained to the one that sampled, per token:
+2. **Ratio** of the policy being trained to the old one, per token:
    ``logratio = log pi_theta - log pi_old``, ``ratio = exp(logratio)``; GSPO takes one ratio per
-   sequence, ``exp(mean_t logratio)``.
+   sequence, ``exp(mean_t logratio)``. pi_old is the sampler (PPO) or, when the samples came from
+   an older version than the one trained, a proximal policy (decoupled PPO, Hilton et al. 2022):
+   the policy at the round's start.
 3. **Surrogate**: PPO's clipped objective with DAPO's asymmetric range
-   ``[1 - epsilon_low, 1 + epsilon_high]``; CISPO and SAPO replace the clipping.
+   ``[1 - epsilon_low, 1 + epsilon_high]``; CISPO and SAPO replace the clipping. Decoupled, each
+   token's term is weighted by the behaviour weight ``min(pi_prox / mu, cap)``.
 4. **KL penalty** to the reference policy, k3 estimator, ``+ beta * KL`` per token.
 5. **Aggregation** over tokens and sequences: this is what tells the loss types apart.
 6. **Diagnostics** beside the loss: ``approx_kl`` (how far the policy moved from the sampler) and
@@ -28,7 +31,7 @@ steps (the step's loss is the mean of its micro-batch losses); ``dapo`` and ``ci
 token sum by ``num_items_in_batch``, the sampled tokens of the whole step (per process: data
 parallelism averages the processes' gradients), so the step's loss is one token mean over the
 step. The options TRL has that are not written here (``delta``, ``top_entropy_quantile``,
-``off_policy_mask_threshold``, vLLM importance sampling, the entropy bonus, KL without the ratio)
+``off_policy_mask_threshold``, TRL's own vLLM sampling, the entropy bonus, KL without the ratio)
 the trainer refuses.
 """
 
@@ -68,13 +71,15 @@ def grpo_loss(b_logps: Tensor, b_old_logps: Tensor, b_advantages: Tensor, b_mask
               epsilon_high: float = 0.2, beta: float = 0.0, b_ref_logps: Tensor | None = None,
               max_completion_length: int | None = None, num_items_in_batch: Tensor | None = None,
               micro_batches: int = 1, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-              ) -> tuple[Tensor, dict[str, Tensor]]:
+              b_behaviour_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one batch and its diagnostics (``losses/approx_kl``, ``losses/clipfrac``, ``losses/kl``, ...).
 
     ``b_logps``: log pi_theta of each completion token at the trainer's temperature, with gradient;
     ``b_old_logps``: the behaviour policy's (the captured logprobs, or the policy's own at the start
     of the step); ``b_ref_logps``: the reference policy's, needed when ``beta > 0``;
-    ``num_items_in_batch`` and ``micro_batches``: what the step is (above; default: this batch alone).
+    ``num_items_in_batch`` and ``micro_batches``: what the step is (above; default: this batch alone);
+    ``b_behaviour_weights``: min(pi_prox / mu, cap) per token when ``b_old_logps`` is a proximal policy's, not
+    the sampler's (decoupled PPO); None: the samples are the old policy's own.
     """
     import torch
 
@@ -106,6 +111,11 @@ def grpo_loss(b_logps: Tensor, b_old_logps: Tensor, b_advantages: Tensor, b_mask
         pg_loss1 = -b_advantages * ratio
         pg_loss2 = -b_advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
         per_token_loss = torch.max(pg_loss1, pg_loss2)  # (B, T) or (B, 1)
+
+    # decoupled PPO (Hilton et al. 2022, eq. 3): the clipped surrogate around pi_prox, on samples of the behaviour
+    # policy mu, weighted by pi_prox / mu truncated (Espeholt et al. 2018's V-trace cap; TRL's vLLM correction)
+    if b_behaviour_weights is not None:
+        per_token_loss = per_token_loss * b_behaviour_weights  # (B, T)
 
     # 4. KL(pi_theta || pi_ref), k3 per token (DeepSeekMath eq. 4), times the ratio so that its gradient is the
     # unbiased reverse-KL gradient on samples of pi_old (DeepSeek-V3.2 §3.1; TRL's use_bias_correction_kl, on)

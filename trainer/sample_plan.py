@@ -123,7 +123,7 @@ def passthrough_reward(prompts: list[Any], completions: list[Any], captured_rewa
 # The per-token keys of TRL's batch, by side: prompts are left-padded, completions right-padded.
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 COMPLETION_KEYS = ("completion_ids", "completion_mask", "tool_mask", "old_per_token_logps", "sampling_per_token_logps",
-                   "ref_per_token_logps")
+                   "ref_per_token_logps", "importance_sampling_ratio")
 
 
 def token_budget_pieces(prompt_lens: list[int], completion_lens: list[int], budget: int) -> list[list[int]]:

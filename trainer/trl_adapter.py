@@ -20,10 +20,11 @@ these overrides expect; tests/test_grpo_loss.py holds our loss equal to TRL's ``
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from typing import Any, cast
 
-from flywheel.trainer.grpo_loss import LOSS_TYPES, diagnostic_weights, grpo_loss, masked_mean, piece_weight
+from flywheel.trainer.grpo_loss import LOSS_TYPES, approx_kl, diagnostic_weights, grpo_loss, masked_mean, piece_weight
 from flywheel.trainer.sample_plan import CapturedRollout, take_rows, token_budget_pieces
 
 _FORWARD_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")  # the rest: multimodal tensors
@@ -67,7 +68,8 @@ def captured_trainer_class() -> type:
         sequences of at most that many forwarded tokens (``token_budget_pieces``); None: whole.
         """
 
-        def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None,
+                     proximal_policy: str = "round", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             refused = unsupported_loss_options(self.args)
             if refused:
@@ -75,6 +77,9 @@ def captured_trainer_class() -> type:
             self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
             self.advantage_diffs: list[float] = []
             self.reference_logps: dict[int, Any] = {}  # sample index -> log pi_ref of its completion, once a round
+            self.proximal_policy = proximal_policy  # round | behaviour: what the ratio is taken against (GRPOArgs)
+            self.behaviour_weight_cap = behaviour_weight_cap
+            self.proximal_logps: dict[int, Any] = {}  # sample index -> log pi_prox of its completion, once a round
             self.forward_tokens = 0  # positions the forwards processed, padding included
             self.forward_real_tokens = 0  # the real (unpadded) tokens among them
             self.step_metrics: defaultdict[str, list[float]] = defaultdict(list)  # ours, averaged into each log line
@@ -107,12 +112,15 @@ def captured_trainer_class() -> type:
                 self.step_metrics["advantage/trl_max_abs_diff"].append(diff)
             output["advantages"] = b_advantages
 
+            b_captured = output.get("sampling_per_token_logps")  # (B, C), NaN where not captured
+            if self.proximal_policy == "round":
+                self._decouple(output, rollout.served_indices, b_captured)
+                return output
             # Clip against the captured behaviour logprobs. TRL computes its ratio against
             # old_per_token_logps, which it fills (from the current policy) only when batches are
             # reused; the logprobs a rollout returns it uses only with its own vLLM
             # (vllm_importance_sampling_correction). Our samples were drawn by the serving engine,
             # possibly by an older adapter: the ratio must be taken against that behaviour policy.
-            b_captured = output.get("sampling_per_token_logps")  # (B, C), NaN where not captured
             if b_captured is not None:
                 b_mask = output["completion_mask"]
                 if "tool_mask" in output:
@@ -130,6 +138,36 @@ def captured_trainer_class() -> type:
             else:
                 self.step_metrics["behaviour/captured_logprob_frac"].append(0.0)
             return output
+
+        def _decouple(self, output: dict[str, Any], indices: list[int], b_captured: Any) -> None:
+            """Decoupled PPO's inputs: the ratio against pi_prox, the sampler mu's distance as a truncated weight.
+
+            pi_prox is the policy as the round first trains on a sample (its start, for the first step's samples),
+            kept for the round's later epochs: the clip bounds how far one round moves from where it began, whoever
+            sampled. The weight min(pi_prox / mu, cap) corrects for samples drawn by an older version than the one
+            trained (the serving version while the training line runs ahead); 1 where mu is unknown.
+            """
+            lengths = output["completion_mask"].sum(1).tolist()
+            if not all(i in self.proximal_logps for i in indices):
+                b_now = self._policy_logps(output)
+                for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+                    self.proximal_logps.setdefault(i, b_now[row, :n].clone())
+            b_prox = torch.zeros(output["completion_mask"].shape, dtype=self.proximal_logps[indices[0]].dtype,
+                                 device=output["completion_mask"].device)  # (B, C), 0 on padding as TRL's
+            for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+                b_prox[row, :n] = self.proximal_logps[i]
+            b_mask = output["completion_mask"] * output.get("tool_mask", 1)
+            b_known = torch.zeros_like(b_mask, dtype=torch.bool) if b_captured is None else ~torch.isnan(b_captured)
+            b_behaviour = b_prox if b_captured is None else torch.where(b_known, b_captured.to(b_prox.dtype), b_prox)
+            b_log_weight = b_prox - b_behaviour  # log pi_prox / mu
+            output["old_per_token_logps"] = b_prox
+            output["importance_sampling_ratio"] = torch.exp(b_log_weight).clamp(max=self.behaviour_weight_cap)
+            tokens = b_mask.sum().clamp(min=1)
+            captured_frac = (b_known & b_mask.bool()).sum() / tokens
+            self.step_metrics["behaviour/captured_logprob_frac"].append(captured_frac.item())
+            self.step_metrics["behaviour/kl"].append(approx_kl(b_log_weight, b_mask).item())  # KL(mu || pi_prox)
+            truncated = (b_log_weight > math.log(self.behaviour_weight_cap)) & b_mask.bool()
+            self.step_metrics["behaviour/weight_truncated_frac"].append((truncated.sum() / tokens).item())
 
         def _reuse_reference_logps(self, output: dict[str, Any], indices: list[int], known: bool) -> None:
             """Keep the reference logprobs TRL just computed, or put the kept ones back (0 on padding, as TRL's)."""
@@ -192,6 +230,7 @@ def captured_trainer_class() -> type:
                 loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
                 epsilon_low=args.epsilon, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
                 beta=args.beta, b_ref_logps=inputs.get("ref_per_token_logps"),
+                b_behaviour_weights=inputs.get("importance_sampling_ratio"),
                 max_completion_length=args.max_completion_length, num_items_in_batch=step_tokens,
                 micro_batches=micro_batches, sapo_temperature_pos=args.sapo_temperature_pos,
                 sapo_temperature_neg=args.sapo_temperature_neg)
