@@ -122,22 +122,16 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
     """
     current = serving(session, alias)
     base = current.version if current is not None else 0
-    rows = {row.version: row for row in listing(session, alias)}
-
-    def on_the_line(row: AdapterVersion) -> bool:
-        while True:
-            if (row.source != "trained" or row.status in ("training", "failed", "deleted") or shown_worse(row)
-                    or not Path(row.path).is_dir()):
-                return False
-            parent = row.parent_version or 0
-            if parent == base:
-                return True
-            if parent < base or parent not in rows:
-                return False
-            row = rows[parent]
-
-    newest = max((v for v, row in rows.items() if v > base and on_the_line(row)), default=None)
-    return rows[newest] if newest is not None else current
+    above = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias, AdapterVersion.version > base)
+                         .order_by(col(AdapterVersion.version))).all()
+    # parents are older than their children: one pass, each version judged once by its own row and its parent's
+    on_the_line: dict[int, bool] = {base: True}
+    for row in above:
+        on_the_line[row.version] = (on_the_line.get(row.parent_version or 0, False) and row.source == "trained"
+                                    and row.status not in ("training", "failed", "deleted") and not shown_worse(row)
+                                    and Path(row.path).is_dir())
+    newest = next((row for row in reversed(above) if on_the_line[row.version]), None)
+    return newest if newest is not None else current
 
 
 def newest_candidate(session: Session, alias: str) -> AdapterVersion | None:
