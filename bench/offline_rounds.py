@@ -25,14 +25,13 @@ import json
 import random
 import shutil
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from bench.learning_suite import warm_model
 from bench.learning_tasks import TASKS, Task, gate_reward
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
-from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG
+from flywheel.gateway.cli.demo import small_model_train_args
 from flywheel.gateway.serving.engines.local.toolcalls import parse_tool_calls
 from flywheel.trainer.grpo import train_round
 from flywheel.trainer.grpo_args import GRPOArgs
@@ -54,8 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def round_args(overrides: dict[str, Any]) -> GRPOArgs:
-    configured = tomllib.loads(SMALL_MODEL_CONFIG.read_text())["train"]["args"]
-    return GRPOArgs(**{**configured, "progress": False, **overrides})
+    return GRPOArgs(**{**small_model_train_args(), "progress": False, **overrides})
 
 
 def sample_groups(model_dir: Path, adapter: Path | None, task: Task, args: argparse.Namespace,

@@ -54,6 +54,20 @@ def unsupported_loss_options(args: Any) -> list[str]:
     return [name for name, on in refused.items() if on]
 
 
+def keep_rows(kept: dict[int, Any], indices: list[int], completion_mask: Any, b_values: Any) -> None:
+    """Keep each sample's per-token values (its completion's, padding cut) under its index, the first time only."""
+    for row, (i, n) in enumerate(zip(indices, completion_mask.sum(1).tolist(), strict=True)):
+        kept.setdefault(i, b_values[row, :n].clone())
+
+
+def kept_rows(kept: dict[int, Any], indices: list[int], completion_mask: Any) -> Any:
+    """The kept values of the batch's samples as one (B, C) tensor, 0 on padding as TRL's."""
+    b_values = completion_mask.new_zeros(completion_mask.shape, dtype=kept[indices[0]].dtype)
+    for row, (i, n) in enumerate(zip(indices, completion_mask.sum(1).tolist(), strict=True)):
+        b_values[row, :n] = kept[i]
+    return b_values
+
+
 @functools.cache
 def captured_trainer_class() -> type:
     """``CapturedGRPOTrainer``, defined on first use so that importing this module needs no torch or TRL."""
@@ -147,15 +161,9 @@ def captured_trainer_class() -> type:
             sampled. The weight min(pi_prox / mu, cap) corrects for samples drawn by an older version than the one
             trained (the serving version while the training line runs ahead); 1 where mu is unknown.
             """
-            lengths = output["completion_mask"].sum(1).tolist()
             if not all(i in self.proximal_logps for i in indices):
-                b_now = self._policy_logps(output)
-                for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
-                    self.proximal_logps.setdefault(i, b_now[row, :n].clone())
-            b_prox = torch.zeros(output["completion_mask"].shape, dtype=self.proximal_logps[indices[0]].dtype,
-                                 device=output["completion_mask"].device)  # (B, C), 0 on padding as TRL's
-            for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
-                b_prox[row, :n] = self.proximal_logps[i]
+                keep_rows(self.proximal_logps, indices, output["completion_mask"], self._policy_logps(output))
+            b_prox = kept_rows(self.proximal_logps, indices, output["completion_mask"])  # (B, C)
             b_mask = output["completion_mask"] * output.get("tool_mask", 1)
             b_known = torch.zeros_like(b_mask, dtype=torch.bool) if b_captured is None else ~torch.isnan(b_captured)
             b_behaviour = b_prox if b_captured is None else torch.where(b_known, b_captured.to(b_prox.dtype), b_prox)
@@ -171,16 +179,10 @@ def captured_trainer_class() -> type:
 
         def _reuse_reference_logps(self, output: dict[str, Any], indices: list[int], known: bool) -> None:
             """Keep the reference logprobs TRL just computed, or put the kept ones back (0 on padding, as TRL's)."""
-            lengths = output["completion_mask"].sum(1).tolist()
-            if not known:
-                for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
-                    self.reference_logps.setdefault(i, output["ref_per_token_logps"][row, :n].clone())
-                return
-            b_ref_logps = torch.zeros(output["completion_mask"].shape, dtype=self.reference_logps[indices[0]].dtype,
-                                      device=output["completion_mask"].device)
-            for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
-                b_ref_logps[row, :n] = self.reference_logps[i]
-            output["ref_per_token_logps"] = b_ref_logps
+            if known:
+                output["ref_per_token_logps"] = kept_rows(self.reference_logps, indices, output["completion_mask"])
+            else:
+                keep_rows(self.reference_logps, indices, output["completion_mask"], output["ref_per_token_logps"])
 
         def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
