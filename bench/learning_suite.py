@@ -42,6 +42,7 @@ from rich.console import Console
 from bench.learning_tasks import TASKS
 from flywheel.gateway.cli.demo import SMALL_MODEL_CONFIG, canary_decision, final_comparison, plot_rewards
 from flywheel.gateway.core.processes import free_port, stop, wait_until_answering
+from flywheel.gateway.serving.loop.abtest import TEST_DECISIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("repeated", "unique")
@@ -185,14 +186,14 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
 
 
 def canary_ends(versions: list[dict[str, Any]]) -> dict[str, Any]:
-    """How each finished canary ended, and the share its own test decided (better or worse)."""
+    """How each finished canary ended, and the share its own test decided (better, worse, not better)."""
     ends: dict[str, int] = {}
     for version in versions:
         decision = canary_decision(version)
         if decision is not None and version["status"] != "canary":
             ends[decision] = ends.get(decision, 0) + 1
     finished = sum(ends.values())
-    by_test = ends.get("better", 0) + ends.get("worse", 0)
+    by_test = sum(ends.get(decision, 0) for decision in TEST_DECISIONS)
     return {**ends, "finished": finished, "decided_by_test": by_test / finished if finished else None}
 
 

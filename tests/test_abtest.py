@@ -38,9 +38,10 @@ def three_valued(right: float) -> Draw:
     return lambda rng: 1.0 if rng.random() < right else (0.1 if rng.random() < 0.9 else 0.0)
 
 
-def run_test(candidate: Draw, baseline: Draw, seed: int, *, margin: float = 0.0) -> str:
+def run_test(candidate: Draw, baseline: Draw, seed: int, *, margin: float = 0.0,
+             min_gain: float | None = None) -> str:
     rng = random.Random(seed)
-    test = SequentialTest(alpha=ALPHA, margin=margin, max_pairs=MAX_PAIRS)
+    test = SequentialTest(alpha=ALPHA, margin=margin, max_pairs=MAX_PAIRS, min_gain=min_gain)
     while test.decision() == "continue":
         test.add(candidate(rng), baseline(rng))
     return test.decision()
@@ -89,6 +90,25 @@ def test_non_inferiority_margin_promotes_an_equal_candidate() -> None:
     without = [run_test(same, same, seed) for seed in range(100)]
     assert with_margin.count("better") >= 80  # "not worse by more than 0.15" is shown for equal arms
     assert without.count("better") <= 10
+
+
+def test_min_gain_decides_an_equal_candidate_without_more_false_promotions() -> None:
+    same = bernoulli(0.5)
+    ends = [run_test(same, same, seed, min_gain=0.15) for seed in range(RUNS)]
+    assert ends.count("better") / RUNS <= ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / RUNS), ends.count("better")
+    without = [run_test(same, same, seed) for seed in range(RUNS)]
+    assert without.count("max_pairs") >= 0.8 * RUNS, without.count("max_pairs")  # undecided: no futility bet
+    assert ends.count("not_better") >= 0.75 * RUNS, ends.count("not_better")
+    assert ends.count("max_pairs") <= 0.2 * RUNS, ends.count("max_pairs")
+
+
+@pytest.mark.parametrize("baseline", [0.2, 0.5])
+def test_a_candidate_better_by_exactly_min_gain_is_called_not_better_at_most_alpha(baseline: float) -> None:
+    gain = 0.15
+    ends = [run_test(bernoulli(baseline + gain), bernoulli(baseline), seed, min_gain=gain) for seed in range(RUNS)]
+    called = ends.count("not_better")
+    assert called / RUNS <= ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / RUNS), called
+    assert ends.count("better") >= 0.5 * RUNS, ends.count("better")
 
 
 def test_p_values_and_rewards_outside_the_range_are_handled() -> None:

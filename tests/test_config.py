@@ -148,6 +148,7 @@ def serve_error(tmp_path: Path, config: str, *args: str, env: dict[str, str] | N
     ("[auth]\napi_keys = ['same']\nadmin_key = 'same'\n", "admin_key is also a client key"),
     ("[groups]\nmin_size = 5\nmax_size = 3\n", "min_size (5) is larger than groups.max_size (3)"),
     ("[judge]\ntimeout_s = 0\n", "judge.timeout_s"),
+    ("[loop.canary]\nmin_gain = 1.5\n", "min_gain (1.5) must be below the reward range (1.0)"),
 ])
 def test_every_setting_is_validated_when_read(tmp_path: Path, content: str, expected: str) -> None:
     config = tmp_path / "bad.toml"

@@ -272,6 +272,29 @@ def test_an_undecided_canary_hands_over_to_the_newer_candidate_waiting(tmp_path:
     gateway.stop()
 
 
+MIN_GAIN = CANARY.replace("fraction = 0.3\nalpha = 0.05\n", "fraction = 0.5\nalpha = 0.05\nmin_gain = 0.2\n")
+
+
+def test_a_candidate_shown_to_gain_less_than_min_gain_is_rejected_by_the_test(tmp_path: Path,
+                                                                               vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm, MIN_GAIN)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "same")})
+    wait_for(lambda: status(gateway)["canary"], what="the canary")
+    for _ in range(150):  # version 1 earns what version 0 does: neither better nor worse, and not better by 0.2
+        converse(client, gateway, 1, lambda m: 0.5)
+        if status(gateway)["canary"] is None:
+            break
+    rows = wait_for(lambda: [r for r in admin(gateway, "GET", "/aliases/agent/versions")["data"]
+                             if r["status"] == "rejected"], what="the test's rejection")
+    online = rows[0]["gate"]["online"]
+    assert online["decision"] == "not_better" and online["p_not_better"] <= 0.05 and online["min_gain"] == 0.2
+    assert online["p_better"] > 0.05 and online["p_worse"] > 0.05, online
+    assert rows[0]["reason"].startswith("canary: not better than version 0 by min_gain 0.2"), rows[0]["reason"]
+    assert status(gateway)["serving"]["version"] == 0
+    gateway.stop()
+
+
 SAME_TASKS = """
 [loop]
 tick_s = 0.3

@@ -49,6 +49,7 @@ from rich.table import Table
 
 from flywheel.gateway.cli.common import fail
 from flywheel.gateway.core.processes import NotAnswering, free_port, stop, wait_until_answering
+from flywheel.gateway.serving.loop.abtest import TEST_DECISIONS, SequentialTest
 
 REPO = Path(__file__).resolve().parents[2]  # examples/ lives beside the packages
 ALIAS = "flywheel"
@@ -59,7 +60,7 @@ GROUP_SIZE = 4  # attempts per request: the agent repeats each request this many
 WARM_START_STEPS = 80
 
 
-CANARY_ENDS = ("better", "worse", "max_pairs")  # how a canary's own test ends (not a hand-over)
+CANARY_ENDS = (*TEST_DECISIONS, "max_pairs")  # how a canary's own test ends (not a hand-over)
 
 
 def canary_decision(version: dict[str, Any]) -> str | None:
@@ -319,7 +320,6 @@ def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, A
     the difference, its 95% interval, the one-sided p-value of "no better"), and the loop's own
     anytime-valid sequential test on the same episodes paired in order (more conservative).
     """
-    from flywheel.gateway.serving.loop.abtest import SequentialTest
 
     ours = [r["reward"] for r in rewards if r["version"] == serving]
     theirs = [r["reward"] for r in rewards if r["version"] == 0]

@@ -254,7 +254,9 @@ class CanaryConfig(BaseModel):
     # How long a reward waits for one of the other arm in its context; then, if its context was seen once, it is
     # paired in arrival order (inf: same-context pairs only). docs/loop.md, "the canary's pairs".
     pair_wait_s: float = Field(default=600.0, ge=0)
-    on_max: Literal["reject", "promote"] = "reject"  # neither better nor worse was shown by max_pairs
+    # The smallest gain worth a swap: a candidate shown to gain less is rejected by the test (None: never).
+    min_gain: float | None = Field(default=None, gt=0)
+    on_max: Literal["reject", "promote"] = "reject"  # nothing was shown by max_pairs
     # Undecided after this many pairs while a newer candidate waits: that one takes the canary (None: never).
     hand_over_pairs: int | None = Field(default=None, ge=1)
     reward_min: float = 0.0  # rewards are clipped to [reward_min, reward_max] for the test (it needs bounds)
@@ -264,6 +266,9 @@ class CanaryConfig(BaseModel):
     def _bounds_in_order(self) -> CanaryConfig:
         if self.reward_min >= self.reward_max:
             raise ValueError(f"loop.canary.reward_min ({self.reward_min}) must be below reward_max ({self.reward_max})")
+        if self.min_gain is not None and self.min_gain >= self.reward_max - self.reward_min:
+            raise ValueError(f"loop.canary.min_gain ({self.min_gain}) must be below the reward range "
+                             f"({self.reward_max - self.reward_min})")
         return self
 
 

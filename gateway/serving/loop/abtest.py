@@ -32,6 +32,12 @@ inequality, ``P(sup_n K_n >= 1/alpha) <= alpha``: declaring "better" the first t
 ``K_n >= 1/alpha`` is wrong with probability at most alpha, whenever one looks. The mirror
 bet on ``-(d_k - m')`` shows "worse". The anytime-valid p-value is ``min(1, 1 / max_{k<=n} K_k)``.
 Both bets grow fast when the effect is large and adapt to the variance by themselves.
+
+A third bet, on ``-(d_k - g)`` with ``g = min_gain``, shows "not better by g" (futility): wrong with
+probability at most alpha when the candidate is in truth better by g or more. Without it a candidate
+whose gain lies between 0 and what the traffic can resolve is never decided; with it every candidate
+is, sooner or later: a gain above 0 is shown, or one below g is (which of the two first is a race
+only when the true gain lies between them, where both statements are true).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-Decision = Literal["better", "worse", "continue", "max_pairs"]
+Decision = Literal["better", "worse", "not_better", "continue", "max_pairs"]
+TEST_DECISIONS = ("better", "worse", "not_better")  # what the test itself decides (not max_pairs, not a hand-over)
 
 _ONS_STEP = 2 / (2 - math.log(3))  # online Newton step's learning rate for bets on [-1, 1]-valued payoffs
 
@@ -173,10 +180,12 @@ def pair_finished(rows: Iterable[Finished], *, now: float, wait_s: float) -> lis
 
 @dataclass
 class SequentialTest:
-    """Candidate vs baseline on paired rewards: "better" (or not worse by ``margin``), "worse", or continue.
+    """Candidate vs baseline on paired rewards: "better" (or not worse by ``margin``), "worse", "not_better"
+    (by ``min_gain``, when set), or continue.
 
     ``alpha`` bounds each error: declaring better when the candidate is not (by more than the
-    margin), and declaring worse when it is not. ``max_pairs`` ends the test with ``"max_pairs"``.
+    margin), declaring worse when it is not, and declaring it not better by ``min_gain`` when it is.
+    ``max_pairs`` ends the test with ``"max_pairs"``.
     """
 
     alpha: float = 0.05
@@ -184,16 +193,20 @@ class SequentialTest:
     max_pairs: int = 2000
     low: float = 0.0
     high: float = 1.0
+    min_gain: float | None = None  # in reward units; None: no futility bet
     pairs: int = 0
     sum_d: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)  # pairs of each kind
     better: BettingEProcess = field(init=False)
     worse: BettingEProcess = field(init=False)
+    not_better: BettingEProcess | None = field(init=False)
 
     def __post_init__(self) -> None:
         margin = self.margin / (self.high - self.low)  # in rescaled units
         self.better = BettingEProcess(null_mean=-margin, sign=1)
         self.worse = BettingEProcess(null_mean=-margin if self.margin else 0.0, sign=-1)
+        self.not_better = (BettingEProcess(null_mean=self.min_gain / (self.high - self.low), sign=-1)
+                           if self.min_gain is not None else None)
 
     def _scaled(self, reward: float) -> float:
         return (min(self.high, max(self.low, reward)) - self.low) / (self.high - self.low)
@@ -205,6 +218,8 @@ class SequentialTest:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.better.update(d, kind)
         self.worse.update(d, kind)
+        if self.not_better is not None:
+            self.not_better.update(d, kind)
 
     def add_pairs(self, pairs: Iterable[Pair]) -> Decision:
         """Add pairs in the order they were formed until the test decides."""
@@ -227,6 +242,8 @@ class SequentialTest:
             return "better"
         if self.worse.wealth >= 1 / self.alpha:
             return "worse"
+        if self.not_better is not None and self.not_better.wealth >= 1 / self.alpha:
+            return "not_better"
         if self.pairs >= self.max_pairs:
             return "max_pairs"
         return "continue"
@@ -236,10 +253,13 @@ class SequentialTest:
         """Mean paired difference, in reward units."""
         return self.sum_d / self.pairs * (self.high - self.low) if self.pairs else math.nan
 
-    def summary(self) -> dict[str, float | int | str]:
+    def summary(self) -> dict[str, float | int | str | None]:
+        futility = self.not_better
         return {"test": "paired betting e-process (online Newton step), anytime-valid",
                 "alpha": self.alpha, "margin": self.margin, "pairs": self.pairs,
                 "mean_difference": self.mean_difference if self.pairs else 0.0,
                 "same_context_pairs": self.kinds.get("context", 0), "arrival_pairs": self.kinds.get("arrival", 0),
                 "e_better": self.better.wealth, "e_worse": self.worse.wealth,
-                "p_better": self.better.p_value, "p_worse": self.worse.p_value, "decision": self.decision()}
+                "p_better": self.better.p_value, "p_worse": self.worse.p_value, "min_gain": self.min_gain,
+                "e_not_better": futility.wealth if futility else None,
+                "p_not_better": futility.p_value if futility else None, "decision": self.decision()}

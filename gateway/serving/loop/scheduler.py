@@ -388,7 +388,7 @@ class Loop:
         ours = [r.reward for r in finished if r.candidate]
         theirs = [r.reward for r in finished if not r.candidate]
         test = SequentialTest(alpha=config.alpha, margin=config.margin, max_pairs=config.max_pairs,
-                              low=config.reward_min, high=config.reward_max)
+                              low=config.reward_min, high=config.reward_max, min_gain=config.min_gain)
         # Rewards written in the last seconds may still be joined by earlier ones (commit order): not looked at yet.
         decision = test.add_pairs(pair_finished(finished, now=time.time() - SETTLE_S, wait_s=config.pair_wait_s))
         online = {**test.summary(), "started_at": split.started_at, "fraction": split.fraction,
@@ -416,8 +416,13 @@ class Loop:
             await store.record_gate(alias, candidate, {"online": online})
             await promote_version(self.state, alias, candidate, reason=f"canary: {shown}, {test.pairs} pairs)")
             return Outcome("ok", f"version {candidate} promoted by the canary", counts)
-        shown = (f"worse than version {baseline} (p={test.worse.p_value:.4f}" if decision == "worse" else
-                 f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}")
+        if decision == "worse":
+            shown = f"worse than version {baseline} (p={test.worse.p_value:.4f}"
+        elif decision == "not_better" and test.not_better is not None:
+            shown = (f"not better than version {baseline} by min_gain {config.min_gain:g} "
+                     f"(p={test.not_better.p_value:.4f}")
+        else:
+            shown = f"not shown better than version {baseline} by max_pairs (p(better)={test.better.p_value:.4f}"
         # The store first: a replica that looks meanwhile sees a decided version, never a canary to restart.
         await store.decide(alias, candidate, "rejected", f"canary: {shown}, {test.pairs} pairs)",
                            gate={"online": online})
