@@ -382,7 +382,9 @@ def _report(console: Console, summary: dict[str, Any], demo_dir: Path) -> None:
         online = gate.get("online") or {}
         said = (f"offline win rate {gate['offline']['win_rate']:.2f}" if gate.get("offline") else "")
         if online:
-            said += f"; canary {online.get('decision')}, p={online.get('p_better', 1):.4f}"
+            decision = online.get("decision")
+            p = online.get({"worse": "p_worse", "not_better": "p_not_better"}.get(str(decision), "p_better"), 1)
+            said += f"; canary {decision}, p={p:.4f}"
         interval = f"[{cell['low']:.3f}, {cell['high']:.3f}]" if "low" in cell else "-"
         table.add_row(version, row.get("status", "base model"), str(cell["n"]), f"{cell['mean']:.3f}", interval,
                       said.strip("; "))
