@@ -159,7 +159,8 @@ def test_decoupled_the_ratio_is_taken_against_the_round_start_and_the_sampler_we
     # The same samples (drawn by the base model), trained further from the adapter above: an older sampler than
     # the policy, as when the training line runs ahead of the serving version.
     assert trained.result.adapter_dir is not None
-    result = train_round(trained.tiny, trained.groups, GRPOArgs.tiny(max_steps=6, progress=False),
+    args = GRPOArgs.tiny(max_steps=6, progress=False, proximal_policy="round")
+    result = train_round(trained.tiny, trained.groups, args,
                          init_adapter=trained.result.adapter_dir, out_dir=tmp_path / "2")
     steps = result.steps
     assert all(s["behaviour/captured_logprob_frac"] == 1.0 for s in steps)

@@ -132,7 +132,12 @@ def test_decoupled_the_wrapper_takes_the_ratio_against_the_round_start_and_weigh
 
     rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
     trainer.proximal_logps.clear()
-    output = trainer._generate_and_score_completions(rows)
+    trainer.proximal_policy = "round"
+    try:
+        output = trainer._generate_and_score_completions(rows)
+        again = trainer._generate_and_score_completions(rows)  # the next epoch: pi_prox is kept, not recomputed
+    finally:
+        trainer.proximal_policy = "behaviour"  # the default
     b_mask = (output["completion_mask"] * output["tool_mask"]).bool()
     prox = output["old_per_token_logps"]  # the policy's own at first sight (~ -7 on the random tiny model)
     assert float(prox[b_mask].max()) < -3.0
@@ -143,7 +148,6 @@ def test_decoupled_the_wrapper_takes_the_ratio_against_the_round_start_and_weigh
     expected = torch.exp(prox[known] - captured[known]).clamp(max=3.0)
     assert torch.allclose(weights[known], expected) and float(weights[known].max()) < 0.1
     assert (weights[b_mask & ~known] == 1.0).all()  # unknown sampler: the proximal policy's own, weight 1
-    again = trainer._generate_and_score_completions(rows)  # the next epoch: pi_prox is kept, not recomputed
     assert torch.equal(again["old_per_token_logps"], prox)
     trainer.step_metrics.clear()
     loss = trainer.compute_loss(trainer.model, output)
@@ -154,11 +158,8 @@ def test_proximal_behaviour_clips_against_the_captured_logprobs_and_logs_approx_
     import torch
 
     rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
-    trainer.proximal_policy = "behaviour"
-    try:
-        output = trainer._generate_and_score_completions(rows)
-    finally:
-        trainer.proximal_policy = "round"
+    assert trainer.proximal_policy == "behaviour"  # the default
+    output = trainer._generate_and_score_completions(rows)
     old = output["old_per_token_logps"]
     assert old[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4])
     assert not torch.isnan(old).any()  # unknown: TRL's own old logprobs, never NaN

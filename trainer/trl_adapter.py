@@ -83,7 +83,7 @@ def captured_trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None,
-                     proximal_policy: str = "round", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
+                     proximal_policy: str = "behaviour", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             refused = unsupported_loss_options(self.args)
             if refused:

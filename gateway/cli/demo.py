@@ -320,7 +320,6 @@ def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, A
     the difference, its 95% interval, the one-sided p-value of "no better"), and the loop's own
     anytime-valid sequential test on the same episodes paired in order (more conservative).
     """
-
     ours = [r["reward"] for r in rewards if r["version"] == serving]
     theirs = [r["reward"] for r in rewards if r["version"] == 0]
     if serving == 0 or len(ours) < 2 or len(theirs) < 2:
