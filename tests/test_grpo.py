@@ -162,14 +162,31 @@ def test_decoupled_the_ratio_is_taken_against_the_round_start_and_the_sampler_we
     args = GRPOArgs.tiny(max_steps=6, progress=False, proximal_policy="round")
     result = train_round(trained.tiny, trained.groups, args,
                          init_adapter=trained.result.adapter_dir, out_dir=tmp_path / "2")
+    steps = result.steps  # two epochs of three steps, a group each; an epoch is one generation batch
+    generated = [s for s in steps if "behaviour/kl" in s]
+    assert len(steps) == 6 and len(generated) == 2
+    assert all(s["behaviour/captured_logprob_frac"] == 1.0 for s in generated)
+    # The round's first step: the ratio is pi_theta / pi_prox = 1, however far the sampler is.
+    assert steps[0]["approx_kl"] < 1e-6 and steps[0]["clip_ratio/region_mean"] == 0.0
+    assert min(s["behaviour/kl"] for s in generated) > 1e-4  # the adapter is not the base model that sampled
+    # Every later step, the second epoch's included: the policy moved from where the round began.
+    assert min(s["approx_kl"] for s in steps[1:]) > 1e-6
+    assert result.metrics["behaviour/kl"] == pytest.approx(sum(s["behaviour/kl"] for s in generated) / 2)
+
+
+def test_decoupled_pi_prox_is_the_round_start_for_samples_first_trained_in_later_steps(trained: Trained,
+                                                                                      tmp_path: Path) -> None:
+    # One epoch of three optimizer steps, a group each, from a fresh LoRA: the round starts at the base model, which
+    # drew every sample. pi_prox must be that start for all of them, not the policy a later step first meets them with.
+    args = GRPOArgs.tiny(progress=False, proximal_policy="round", gradient_accumulation_steps=1)
+    result = train_round(trained.tiny, trained.groups, args, out_dir=tmp_path / "1")
     steps = result.steps
-    assert all(s["behaviour/captured_logprob_frac"] == 1.0 for s in steps)
-    # Each sample's first step: the ratio is pi_theta / pi_prox = 1, however far the sampler is.
-    assert all(s["approx_kl"] < 1e-6 and s["clip_ratio/region_mean"] == 0.0 for s in steps[:3])
-    assert min(s["behaviour/kl"] for s in steps) > 1e-4  # the adapter is not the base model that sampled
-    # The second epoch: the same samples, the policy moved from where the round first met them.
-    assert min(s["approx_kl"] for s in steps[3:]) > 1e-6
-    assert result.metrics["behaviour/kl"] == pytest.approx(sum(s["behaviour/kl"] for s in steps) / len(steps))
+    assert len(steps) == 3 and steps[0]["behaviour/captured_logprob_frac"] == 1.0
+    assert steps[0]["behaviour/kl"] < 1e-6  # KL(mu || pi_prox), all the epoch's samples: mu is the start
+    # The ratio pi_theta / pi_prox: 1 at the first step, then away from 1 as the round moves from its start; with
+    # pi_prox taken at each sample's first step it would stay 1 and the clip would never bound the round.
+    assert steps[0]["approx_kl"] < 1e-6
+    assert min(s["approx_kl"] for s in steps[1:]) > 1e-6
 
 
 def test_the_rewarded_answer_gains_logprob_over_the_punished_one(trained: Trained) -> None:

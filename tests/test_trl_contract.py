@@ -132,12 +132,9 @@ def test_decoupled_the_wrapper_takes_the_ratio_against_the_round_start_and_weigh
 
     rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
     trainer.proximal_logps.clear()
-    trainer.proximal_policy = "round"
-    try:
-        output = trainer._generate_and_score_completions(rows)
-        again = trainer._generate_and_score_completions(rows)  # the next epoch: pi_prox is kept, not recomputed
-    finally:
-        trainer.proximal_policy = "behaviour"  # the default
+    assert trainer.proximal_policy == "round"  # the default
+    output = trainer._generate_and_score_completions(rows)
+    again = trainer._generate_and_score_completions(rows)  # the next epoch: pi_prox is kept, not recomputed
     b_mask = (output["completion_mask"] * output["tool_mask"]).bool()
     prox = output["old_per_token_logps"]  # the policy's own at first sight (~ -7 on the random tiny model)
     assert float(prox[b_mask].max()) < -3.0
@@ -158,8 +155,11 @@ def test_proximal_behaviour_clips_against_the_captured_logprobs_and_logs_approx_
     import torch
 
     rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
-    assert trainer.proximal_policy == "behaviour"  # the default
-    output = trainer._generate_and_score_completions(rows)
+    trainer.proximal_policy = "behaviour"
+    try:
+        output = trainer._generate_and_score_completions(rows)
+    finally:
+        trainer.proximal_policy = "round"  # the default
     old = output["old_per_token_logps"]
     assert old[0, :5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3, -1.4])
     assert not torch.isnan(old).any()  # unknown: TRL's own old logprobs, never NaN

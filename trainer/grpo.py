@@ -89,6 +89,17 @@ def _micro_batches(args: GRPOArgs, per_device: int, accumulation: int) -> dict[s
     return {"per_device_train_batch_size": per_device * accumulation, "gradient_accumulation_steps": 1}
 
 
+def _generation_steps(args: GRPOArgs, micro_batches: int, accumulation: int) -> dict[str, Any]:
+    """TRL's steps_per_generation. Under the round's proximal policy the generation batch is the whole epoch, so every
+    sample's pi_prox is taken before the round's first optimizer step: the clip then bounds the round's move from its
+    start, not only each step's (with one step per generation batch a sample first trained in step k would have the
+    policy after k - 1 steps as its pi_prox, and a round of one epoch no clip at all)."""
+    if args.proximal_policy != "round":
+        return {}  # TRL's default: one optimizer step's micro-batches
+    per_step = 1 if args.max_tokens_per_micro_batch is not None else accumulation  # TRL's micro-batches a step
+    return {"steps_per_generation": per_step * (micro_batches // accumulation)}
+
+
 def _checkpointing(args: GRPOArgs) -> dict[str, Any]:
     # transformers 5 warns that gradient_checkpointing is deprecated whenever it is passed: pass it only when on.
     return {"gradient_checkpointing": True} if args.gradient_checkpointing else {}
@@ -276,7 +287,8 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
-            **_micro_batches(args, per_device, accumulation), **_checkpointing(args),
+            **_micro_batches(args, per_device, accumulation), **_generation_steps(args, micro_batches, accumulation),
+            **_checkpointing(args),
             num_generations=g, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations,

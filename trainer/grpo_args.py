@@ -35,11 +35,11 @@ class GRPOArgs:
     """passes over each batch of samples (PPO's epochs, TRL's mu); > 1 reuses data, which the clipping keeps safe"""
     temperature: float = 1.0
     """TRL divides logits by it; captured turns sampled otherwise (or with top_p < 1, ...) lose their logprobs"""
-    proximal_policy: Literal["round", "behaviour"] = "behaviour"
-    """the policy PPO's ratio and clip are taken against. round: the policy as the round first trains on a sample,
-    with the behaviour policy's distance from it corrected by a truncated importance weight (decoupled PPO,
-    Hilton et al. 2022): a round still moves when its samples came from an older version. behaviour: the engine's
-    captured logprobs (PPO's own ratio), which stops a policy 1 +- epsilon away from whoever sampled"""
+    proximal_policy: Literal["round", "behaviour"] = "round"
+    """the policy PPO's ratio and clip are taken against. round: the policy at the round's start, with the
+    behaviour policy's distance from it corrected by a truncated importance weight (decoupled PPO, Hilton et al.
+    2022): a round still moves when its samples came from an older version. behaviour: the engine's captured
+    logprobs (PPO's own ratio), which stops a policy 1 +- epsilon away from whoever sampled"""
     behaviour_weight_cap: float = 3.0
     """the truncation of pi_prox / mu, the decoupled objective's behaviour weight (TRL's vLLM correction: 3.0)"""
 

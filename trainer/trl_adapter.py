@@ -83,7 +83,7 @@ def captured_trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None,
-                     proximal_policy: str = "behaviour", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
+                     proximal_policy: str = "round", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             refused = unsupported_loss_options(self.args)
             if refused:
@@ -156,13 +156,16 @@ def captured_trainer_class() -> type:
         def _decouple(self, output: dict[str, Any], indices: list[int], b_captured: Any) -> None:
             """Decoupled PPO's inputs: the ratio against pi_prox, the sampler mu's distance as a truncated weight.
 
-            pi_prox is the policy as the round first trains on a sample (its start, for the first step's samples),
-            kept for the round's later epochs: the clip bounds how far one round moves from where it began, whoever
-            sampled. The weight min(pi_prox / mu, cap) corrects for samples drawn by an older version than the one
-            trained (the serving version while the training line runs ahead); 1 where mu is unknown.
+            pi_prox is the policy at the round's start (the generation batch is the whole epoch: grpo.py), kept for
+            the round's later epochs: the clip bounds how far one round moves from where it began, whoever sampled.
+            The weight min(pi_prox / mu, cap) corrects for samples drawn by an older version than the one trained
+            (the serving version while the training line runs ahead); 1 where mu is unknown.
             """
             if not all(i in self.proximal_logps for i in indices):
-                keep_rows(self.proximal_logps, indices, output["completion_mask"], self._policy_logps(output))
+                # TRL's old logprobs, when it took them (more than one step per generation batch), are the same forward
+                b_now = output.get("old_per_token_logps")
+                keep_rows(self.proximal_logps, indices, output["completion_mask"],
+                          self._policy_logps(output) if b_now is None else b_now)
             b_prox = kept_rows(self.proximal_logps, indices, output["completion_mask"])  # (B, C)
             b_mask = output["completion_mask"] * output.get("tool_mask", 1)
             b_known = torch.zeros_like(b_mask, dtype=torch.bool) if b_captured is None else ~torch.isnan(b_captured)
