@@ -120,6 +120,19 @@ def test_p_values_and_rewards_outside_the_range_are_handled() -> None:
     assert test.mean_difference == pytest.approx(10.0)
 
 
+def test_the_summary_measures_the_mean_difference_and_its_standard_error_in_reward_units() -> None:
+    rng = random.Random(3)
+    pairs = [(rng.uniform(2.0, 10.0), rng.uniform(0.0, 8.0)) for _ in range(40)]
+    test = SequentialTest(alpha=0.05, low=0.0, high=10.0)
+    assert test.summary()["standard_error"] is None
+    for candidate, baseline in pairs:
+        test.add(candidate, baseline)
+    differences = [c - b for c, b in pairs]
+    summary = test.summary()
+    assert summary["mean_difference"] == pytest.approx(statistics.fmean(differences))
+    assert summary["standard_error"] == pytest.approx(statistics.stdev(differences) / math.sqrt(len(pairs)))
+
+
 def task_traffic(seed: int, *, requests: int, gain: float, fraction: float, tasks: int = 200,
                  zipf: bool = True) -> list[Finished]:
     """One reward a second from ``tasks`` tasks of very different difficulty (mean reward 0.9 for the first down

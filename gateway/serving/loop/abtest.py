@@ -196,6 +196,7 @@ class SequentialTest:
     min_gain: float | None = None  # in reward units; None: no futility bet
     pairs: int = 0
     sum_d: float = 0.0
+    sum_d2: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)  # pairs of each kind
     better: BettingEProcess = field(init=False)
     worse: BettingEProcess = field(init=False)
@@ -215,6 +216,7 @@ class SequentialTest:
         d = self._scaled(candidate) - self._scaled(baseline)
         self.pairs += 1
         self.sum_d += d
+        self.sum_d2 += d * d
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.better.update(d, kind)
         self.worse.update(d, kind)
@@ -253,11 +255,20 @@ class SequentialTest:
         """Mean paired difference, in reward units."""
         return self.sum_d / self.pairs * (self.high - self.low) if self.pairs else math.nan
 
+    @property
+    def standard_error(self) -> float:
+        """The mean paired difference's standard error, in reward units (a measurement, not the test)."""
+        if self.pairs < 2:
+            return math.nan
+        variance = max(0.0, self.sum_d2 - self.sum_d * self.sum_d / self.pairs) / (self.pairs - 1)
+        return math.sqrt(variance / self.pairs) * (self.high - self.low)
+
     def summary(self) -> dict[str, float | int | str | None]:
         futility = self.not_better
         return {"test": "paired betting e-process (online Newton step), anytime-valid",
                 "alpha": self.alpha, "margin": self.margin, "pairs": self.pairs,
                 "mean_difference": self.mean_difference if self.pairs else 0.0,
+                "standard_error": self.standard_error if self.pairs >= 2 else None,
                 "same_context_pairs": self.kinds.get("context", 0), "arrival_pairs": self.kinds.get("arrival", 0),
                 "e_better": self.better.wealth, "e_worse": self.worse.wealth,
                 "p_better": self.better.p_value, "p_worse": self.worse.p_value, "min_gain": self.min_gain,
