@@ -2,6 +2,7 @@
 
     python -m bench.learning_suite                                    # six tasks x two shapes, 15 min each
     python -m bench.learning_suite --tasks argument length --shapes unique --minutes 5 --out runs.json
+    python -m bench.learning_suite --tasks letters --minutes 6 --until-declared     # what CI runs
 
 For each task of bench/learning_tasks.py and each traffic shape, hands-off, through the real parts:
 
@@ -116,12 +117,21 @@ def read_agent(agent: subprocess.Popen[str], run: Run) -> None:
         run.episodes.append(with_reward)
 
 
+def test_promotions(versions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The promotions the canary's test decided ("better"), first first: version, when, and the canary's numbers."""
+    decided = [v for v in versions if v.get("promoted_at") and "canary: better" in (v.get("reason") or "")]
+    return sorted(({"version": v["version"], "promoted_at": v["promoted_at"], **{
+        key: ((v.get("gate") or {}).get("online") or {}).get(key)
+        for key in ("baseline_version", "pairs", "p_better", "mean_difference", "standard_error")}}
+        for v in decided), key=lambda one: one["promoted_at"])
+
+
 def first_test_promotion(versions: list[dict[str, Any]], started: datetime) -> float | None:
     """Minutes from the agent's start to the first promotion the canary's test decided ("better")."""
-    decided = [v for v in versions if v.get("promoted_at") and "canary: better" in (v.get("reason") or "")]
+    decided = test_promotions(versions)
     if not decided:
         return None
-    first = min(datetime.fromisoformat(v["promoted_at"]) for v in decided)
+    first = datetime.fromisoformat(decided[0]["promoted_at"])
     first = first if first.tzinfo else first.replace(tzinfo=UTC)
     return round((first - started).total_seconds() / 60, 2)
 
@@ -157,6 +167,11 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
             recent = [e.get("reward", 0.0) for e in run.episodes[-64:]]
             console.log(f"{task}/{shape}: {time.monotonic() - began:4.0f} s, {len(run.episodes)} episodes, "
                         f"reward (last {len(recent)}) {sum(recent) / max(1, len(recent)):.3f}")
+            if args.until_declared and first_test_promotion(
+                    httpx.get(f"{url}/flywheel/v1/aliases/{ALIAS}/versions", timeout=30).json()["data"],
+                    started_at) is not None:
+                break
+        minutes = (time.monotonic() - began) / 60
         agent.terminate()
         agent.wait(timeout=30)
         status = httpx.get(f"{url}/flywheel/v1/status", timeout=30).json()["aliases"][0]
@@ -169,12 +184,13 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
     plot_rewards(rewards, versions, run_dir / "reward.png")
     by_version = status["reward_by_version"]["versions"]
     result = {
-        "task": task, "shape": shape, "minutes": args.minutes, "episodes": len(run.episodes),
+        "task": task, "shape": shape, "minutes": round(minutes, 2), "episodes": len(run.episodes),
         "agent_errors": sum("error" in e for e in run.episodes),
         "warm_start_reward": (by_version.get("0") or {}).get("mean"),
         "serving_version": serving, "serving_reward": (by_version.get(str(serving)) or {}).get("mean"),
         "final_comparison": final_comparison(rewards, serving),
         "minutes_to_first_test_promotion": first_test_promotion(versions, started_at),
+        "test_promotions": test_promotions(versions),
         "decisions": [{"version": v["version"], "status": v["status"], "reason": v.get("reason")} for v in versions
                       if v["version"] > 0],
         "canary_ends": canary_ends(versions),
@@ -220,6 +236,8 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("flywheel-data") / "learning")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write every result to this JSON file")
+    parser.add_argument("--until-declared", action="store_true",
+                        help="end a run at its first promotion the canary's test decided (--minutes at most)")
     args = parser.parse_args()
     args.data_dir = args.data_dir.resolve()
     console = Console(stderr=True, highlight=False)

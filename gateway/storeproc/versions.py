@@ -106,7 +106,7 @@ def at_a_glance(session: Session, aliases: list[str]) -> dict[str, dict[str, Ada
 def shown_worse(row: AdapterVersion) -> bool:
     """Whether a gate found ``row`` worse than what served: its offline gate failed, its canary's test said
     worse, the monitor rolled it back, or the canary, rejecting it as not better by min_gain, measured it below
-    what served by more than a standard error. Rejected for want of evidence ("not shown better") is not worse."""
+    what served by more than two standard errors. Rejected for want of evidence ("not shown better") is not worse."""
     gate = row.gate or {}
     online = gate.get("online") or {}
     return (row.status == "rolled_back" or (gate.get("offline") or {}).get("decision") == "failed"
@@ -114,10 +114,11 @@ def shown_worse(row: AdapterVersion) -> bool:
 
 
 def measured_below(online: dict[str, Any]) -> bool:
-    """A canary that ended not_better with its mean paired difference below 0 by more than its standard error:
-    the test bounded the gain from above, the measurement says the version most likely lost; no line builds on it."""
+    """A canary that ended not_better with its mean paired difference below 0 by more than two standard errors:
+    the test bounded the gain from above, the measurement says the version lost; no line builds on it."""
     error = online.get("standard_error")
-    return online.get("decision") == "not_better" and error is not None and online["mean_difference"] + error < 0
+    return (online.get("decision") == "not_better" and error is not None
+            and online["mean_difference"] + 2 * error < 0)
 
 
 def training_head(session: Session, alias: str) -> AdapterVersion | None:
