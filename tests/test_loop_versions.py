@@ -180,12 +180,18 @@ def converse(client: openai.OpenAI, gateway: GatewayProcess, turns: int, reward_
     return models
 
 
+def on_canary(tmp_path: Path, vllm: VllmStandIn, config: str, adapter: str) -> tuple[GatewayProcess, openai.OpenAI]:
+    """A gateway on ``config`` whose first candidate, the fake adapter ``adapter``, is on canary; a client of it."""
+    gateway = start(tmp_path, vllm, config)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, adapter)})
+    wait_for(lambda: (status(gateway)["canary"] or {}).get("version") == 1, what="version 1's canary")
+    return gateway, client
+
+
 def test_canary_is_sticky_near_its_fraction_and_promotes_a_better_candidate(tmp_path: Path,
                                                                             vllm: VllmStandIn) -> None:
-    gateway = start(tmp_path, vllm, CANARY)
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "cand")})
-    wait_for(lambda: status(gateway)["canary"], what="the gate to start the canary")
+    gateway, client = on_canary(tmp_path, vllm, CANARY, "cand")
     random.seed(3)
     on_candidate = []
     # the candidate earns 1, the base model 0.4: the test must see "better". The split is random, so the pairs
@@ -210,11 +216,8 @@ def test_canary_is_sticky_near_its_fraction_and_promotes_a_better_candidate(tmp_
 
 def test_worse_candidate_is_rejected_and_a_drop_after_promotion_rolls_back(tmp_path: Path,
                                                                            vllm: VllmStandIn) -> None:
-    gateway = start(tmp_path, vllm, CANARY)
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     # 1. A worse candidate: rejected, the base model keeps serving, the candidate is unloaded.
-    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "worse")})
-    wait_for(lambda: status(gateway)["canary"], what="the canary")
+    gateway, client = on_canary(tmp_path, vllm, CANARY, "worse")
     for _ in range(80):
         converse(client, gateway, 1, lambda m: 0.0 if m == "agent@1" else 0.8)
         if status(gateway)["canary"] is None:
@@ -249,10 +252,7 @@ HAND_OVER = CANARY.replace("alpha = 0.05\npair_wait_s", "alpha = 0.05\nmax_pairs
 
 
 def test_an_undecided_canary_hands_over_to_the_newer_candidate_waiting(tmp_path: Path, vllm: VllmStandIn) -> None:
-    gateway = start(tmp_path, vllm, HAND_OVER)
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "same")})
-    wait_for(lambda: (status(gateway)["canary"] or {}).get("version") == 1, what="version 1's canary")
+    gateway, client = on_canary(tmp_path, vllm, HAND_OVER, "same")
     # one candidate may wait while a canary runs, not two
     admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "newer")})
     refused = httpx.post(f"{gateway.url}/flywheel/v1/aliases/agent/candidates", headers=ADMIN, timeout=30,
@@ -277,10 +277,7 @@ MIN_GAIN = CANARY.replace("fraction = 0.3\nalpha = 0.05\n", "fraction = 0.5\nalp
 
 def test_a_candidate_shown_to_gain_less_than_min_gain_is_rejected_by_the_test(tmp_path: Path,
                                                                                vllm: VllmStandIn) -> None:
-    gateway = start(tmp_path, vllm, MIN_GAIN)
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-    admin(gateway, "POST", "/aliases/agent/candidates", json={"path": fake_adapter(tmp_path, "same")})
-    wait_for(lambda: status(gateway)["canary"], what="the canary")
+    gateway, client = on_canary(tmp_path, vllm, MIN_GAIN, "same")
     for _ in range(150):  # version 1 earns what version 0 does: neither better nor worse, and not better by 0.2
         converse(client, gateway, 1, lambda m: 0.5)
         if status(gateway)["canary"] is None:
