@@ -2,7 +2,7 @@
 
     python -m bench.learning_suite                                    # six tasks x two shapes, 15 min each
     python -m bench.learning_suite --tasks argument length --shapes unique --minutes 5 --out runs.json
-    python -m bench.learning_suite --tasks letters --minutes 6 --until-declared     # what CI runs
+    python -m bench.learning_suite --tasks letters --shapes repeated --minutes 8 --until-declared  # CI
 
 For each task of bench/learning_tasks.py and each traffic shape, hands-off, through the real parts:
 
