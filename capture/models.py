@@ -216,7 +216,7 @@ class JobRun(SQLModel, table=True):
     id: str = Field(primary_key=True)
     job: str = Field(index=True)
     alias: str | None = Field(default=None, index=True)
-    status: str = Field(default="running", index=True)
+    status: str = Field(index=True)
     started_at: datetime = _ts(index=True)
     finished_at: datetime | None = _ts(nullable=True)
     counts: dict[str, Any] | None = _json()

@@ -13,7 +13,9 @@ from sqlmodel import select
 
 from flywheel.capture.models import Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
+from flywheel.capture.turns import new_id
 from flywheel.gateway.core.config import Settings
+from flywheel.gateway.core.store_api import JobRunRecord
 from flywheel.gateway.storeproc import store_ops
 
 SETTINGS = Settings(groups={"min_size": 2, "max_size": 4})
@@ -137,18 +139,21 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
     assert final["0"]["mean"] == pytest.approx(0.5) and final["1"]["mean"] == pytest.approx(0.7)
 
 
-def test_an_idle_run_replaces_the_previous_idle_run_of_its_job_and_alias_only(store: Store) -> None:
+def test_a_quiet_run_replaces_the_previous_quiet_runs_of_its_job_and_alias_only(store: Store) -> None:
     def run(job: str, alias: str | None, status: str) -> str:
-        run_id = store_ops.job_started(store, SETTINGS, job, alias)
-        store_ops.job_finished(store, SETTINGS, run_id, status, {"n": 1}, f"{job} {status}")
-        return run_id
+        record = JobRunRecord(id=new_id("job"), job=job, alias=alias, status=status, started_at=utcnow(),
+                              finished_at=utcnow(), counts={"n": 1}, detail=f"{job} {status}")
+        store_ops.record_run(store, SETTINGS, record)
+        return record.id
 
-    kept = [run("score", None, "ok"), run("score", "a", "idle"), run("form_groups", None, "idle")]
+    kept = [run("score", None, "ok"), run("score", "a", "idle"), run("form_groups", None, "waiting"),
+            run("score", None, "failed")]
     run("score", None, "idle")
+    run("score", None, "waiting")
     latest = run("score", None, "idle")
     with store.session() as session:
         rows = {r.id: r for r in session.exec(select(JobRun))}
-    assert set(rows) == {*kept, latest}  # only the earlier idle run of score (alias-wide) is gone
+    assert set(rows) == {*kept, latest}  # only the earlier quiet runs of score (alias-wide) are gone
     assert (rows[latest].status, rows[latest].counts, rows[latest].detail) == ("idle", {"n": 1}, "score idle")
     assert rows[latest].finished_at is not None
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from sqlmodel import select
 from typer.testing import CliRunner
 
+from flywheel.capture.models import JobRun
+from flywheel.capture.store import Store
 from flywheel.gateway.cli import app as cli
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
@@ -113,6 +117,27 @@ def test_every_switch_gets_its_own_version_and_the_manual_one_survives_a_restart
     assert promoted_again.exit_code == 0 and "now serves version 2" in promoted_again.output
     assert served_by(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0))[0] == "agent@2"
     gateway.stop()
+
+
+def test_the_status_shows_every_quiet_tick_and_the_store_keeps_a_quiet_streak_s_first_run(tmp_path: Path,
+                                                                                           vllm: VllmStandIn) -> None:
+    gateway = start(tmp_path, vllm, "[loop]\ntick_s = 0.2\nmin_groups = 1000\n")
+    first = wait_for(lambda: (status(gateway)["jobs"].get("gate") or {}).get("finished_at") and
+                     status(gateway)["jobs"]["gate"], what="a finished gate run")
+    assert (first["status"], first["detail"]) == ("idle", "no candidate")
+    later = wait_for(lambda: (run := status(gateway)["jobs"]["gate"])["started_at"] > first["started_at"] and run,
+                     what="a later gate run in the status")
+    assert later["id"] != first["id"]
+    gateway.stop()
+    store = Store(gateway.dir / "data" / "flywheel.duckdb")
+    try:
+        with store.session() as session:
+            stored = list(session.exec(select(JobRun).where(JobRun.job == "gate")))
+    finally:
+        store.close()
+    (kept,) = stored  # the streak's first run only, not those the status showed after it
+    shown = [datetime.fromisoformat(run["started_at"]) for run in (first, later)]
+    assert kept.status == "idle" and kept.started_at.replace(tzinfo=UTC) <= shown[0] < shown[1]
 
 
 def test_every_vllm_replica_loads_each_version_and_a_replica_that_lost_it_gets_it_again(tmp_path: Path,

@@ -128,7 +128,7 @@ def test_a_version_1_store_is_migrated_to_the_latest_and_keeps_its_rows(tmp_path
         with store.session() as session:
             row = session.get(AdapterVersion, "adv_1")
             assert row is not None and (row.version, row.status, row.source) == (1, "promoted", "trained")
-            session.add(JobRun(id="job_1", job="train", alias="agent"))
+            session.add(JobRun(id="job_1", job="train", alias="agent", status="ok"))
             session.commit()
             assert session.get(SchemaMeta, "migration:2") is not None
     finally:

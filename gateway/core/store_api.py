@@ -45,6 +45,10 @@ class Version(Record):
     gate: dict[str, Any] | None = None
 
 
+QUIET_STATUSES = ("idle", "waiting")
+"""A job run's outcomes that did nothing: nothing to do, or work not ready yet."""
+
+
 class JobRunRecord(Record):
     """One run of a loop job and its outcome (the ``job_runs`` row)."""
 
@@ -103,7 +107,6 @@ class Promoted(BaseModel):
 
 class Recovered(BaseModel):
     rounds_failed: int
-    runs_interrupted: int
 
 
 class RewardRow(BaseModel):
@@ -172,10 +175,7 @@ class StoreApi(Protocol):
 
     async def recover(self, rounds: bool = True) -> Recovered: ...
 
-    async def job_started(self, job: str, alias: str | None) -> str: ...
-
-    async def job_finished(self, run_id: str, status: str, counts: dict[str, Any] | None = None,
-                           detail: str | None = None, error: str | None = None) -> None: ...
+    async def record_run(self, run: JobRunRecord) -> None: ...
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]: ...
 

@@ -70,13 +70,8 @@ class StoreClient:
     async def recover(self, rounds: bool = True) -> Recovered:
         return await self._call(StoreApi.recover, rounds=rounds)
 
-    async def job_started(self, job: str, alias: str | None) -> str:
-        return await self._call(StoreApi.job_started, job=job, alias=alias)
-
-    async def job_finished(self, run_id: str, status: str, counts: dict[str, Any] | None = None,
-                           detail: str | None = None, error: str | None = None) -> None:
-        await self._call(StoreApi.job_finished, run_id=run_id, status=status, counts=counts, detail=detail,
-                         error=error)
+    async def record_run(self, run: JobRunRecord) -> None:
+        await self._call(StoreApi.record_run, run=run)
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
         return await self._call(StoreApi.last_runs, alias=alias, jobs=jobs)

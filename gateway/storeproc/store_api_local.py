@@ -66,12 +66,8 @@ class LocalStore:
     async def recover(self, rounds: bool = True) -> Recovered:
         return await self._run(store_ops.recover, rounds)
 
-    async def job_started(self, job: str, alias: str | None) -> str:
-        return await self._run(store_ops.job_started, job, alias)
-
-    async def job_finished(self, run_id: str, status: str, counts: dict[str, Any] | None = None,
-                           detail: str | None = None, error: str | None = None) -> None:
-        await self._run(store_ops.job_finished, run_id, status, counts, detail, error)
+    async def record_run(self, run: JobRunRecord) -> None:
+        await self._run(store_ops.record_run, run)
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
         return await self._run(store_ops.last_runs, alias, jobs)

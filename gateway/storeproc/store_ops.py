@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, update
+from sqlalchemy import ColumnElement, and_, func, insert, or_
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
@@ -36,9 +36,9 @@ from flywheel.capture.models import (
     utcnow,
 )
 from flywheel.capture.store import Store
-from flywheel.capture.turns import new_id
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import (
+    QUIET_STATUSES,
     AliasVersions,
     CanaryReward,
     FormedGroup,
@@ -239,46 +239,29 @@ def record_gate(store: Store, settings: Settings, alias: str, version: int, gate
 
 
 def recover(store: Store, settings: Settings, rounds: bool = True) -> Recovered:
-    """When a gateway starts leading the loop: runs and rounds (with ``rounds``; trainer workers' are not the
-    gateway's) that were in progress when the last leader stopped are recorded as such."""
+    """When a gateway starts leading the loop: rounds (with ``rounds``; trainer workers' are not the gateway's)
+    that were in progress when the last leader stopped are recorded failed."""
+    if not rounds:
+        return Recovered(rounds_failed=0)
     with store.session() as session:
-        failed = versions.fail_stale(session) if rounds else 0
-        runs = list(session.exec(select(JobRun).where(JobRun.status == "running")))
-        for run in runs:
-            run.status, run.finished_at, run.error = "interrupted", utcnow(), "the gateway stopped during the run"
-            session.add(run)
-        session.commit()
-    return Recovered(rounds_failed=failed, runs_interrupted=len(runs))
+        return Recovered(rounds_failed=versions.fail_stale(session))
 
 
 # -- job runs -----------------------------------------------------------------------------------------------
 
 
-def job_started(store: Store, settings: Settings, job: str, alias: str | None) -> str:
-    run = JobRun(id=new_id("job"), job=job, alias=alias)
+def record_run(store: Store, settings: Settings, run: JobRunRecord) -> None:
+    """Record a finished run; a quiet one (``idle``, ``waiting``) replaces its job's previous quiet runs.
+
+    One transaction, a delete and an insert: the table keeps every run that acted or failed and the latest
+    quiet one of each job. The loop writes a quiet run only when its job turns quiet (docs/loop.md)."""
     with store.session() as session:
-        session.add(run)
-        session.commit()
-    return run.id
-
-
-def job_finished(store: Store, settings: Settings, run_id: str, status: str, counts: dict[str, Any] | None = None,
-                 detail: str | None = None, error: str | None = None) -> None:
-    """Record a run's outcome; an ``idle`` run (nothing to do) replaces the job's previous idle run.
-
-    Set-based (an update, a delete), not the row loaded and written back: the loop finishes several runs a
-    second."""
-    with store.session() as session:
-        session.execute(update(JobRun).where(col(JobRun.id) == run_id)
-                        .values(status=status, finished_at=utcnow(), counts=counts, detail=detail, error=error)
-                        .execution_options(synchronize_session=False))
-        if status == "idle":
-            def this_run(column: Any) -> Any:
-                return sa_select(column).where(col(JobRun.id) == run_id).scalar_subquery()
-            session.execute(delete(JobRun).where(col(JobRun.status) == "idle", col(JobRun.id) != run_id,
-                                                 col(JobRun.job) == this_run(col(JobRun.job)),
-                                                 col(JobRun.alias).is_not_distinct_from(this_run(col(JobRun.alias))))
+        if run.status in QUIET_STATUSES:
+            session.execute(delete(JobRun).where(col(JobRun.job) == run.job,
+                                                 col(JobRun.alias).is_not_distinct_from(run.alias),
+                                                 col(JobRun.status).in_(QUIET_STATUSES))
                             .execution_options(synchronize_session=False))
+        session.execute(insert(JobRun).values(**run.model_dump()))
         session.commit()
 
 

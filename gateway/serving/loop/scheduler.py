@@ -1,7 +1,7 @@
 """The loop: APScheduler jobs in the gateway process that turn captured traffic into served adapters.
 
-Jobs, each on its own interval, each at most one run at a time, each run recorded in
-``job_runs`` (start, end, outcome, counts, error)::
+Jobs, each on its own interval, each at most one run at a time, each run that acted or failed
+recorded in ``job_runs`` (start, end, outcome, counts, error; of a quiet streak, its first run)::
 
     close_idle   (all aliases)  open trajectories with no new turn for capture.idle_close_s are closed
     form_groups  (all aliases)  closed trajectories become groups (explicit, same task, forks, cohorts)
@@ -33,8 +33,9 @@ from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from flywheel.capture.turns import new_id
 from flywheel.gateway.core.config import LoopConfig
-from flywheel.gateway.core.store_api import AliasVersions, Pending, Version
+from flywheel.gateway.core.store_api import QUIET_STATUSES, AliasVersions, JobRunRecord, Pending, Version
 from flywheel.gateway.serving.canary import CanarySplit
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop import gate as offline
@@ -115,6 +116,8 @@ class Loop:
         self.stopping = False
         self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
+        self.latest: dict[tuple[str, str | None], JobRunRecord] = {}  # each job's latest run here, per alias
+        self._written: dict[tuple[str, str | None], str] = {}  # the status of each job's last run written
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
             "train": self.train, "gate": self.gate, "ab": self.ab}
@@ -140,10 +143,12 @@ class Loop:
             await self.child.stop_all()  # the new leader records them failed
             return
         self.started_at = time.time()
+        self.latest.clear()  # the runs shown are this leadership's
+        self._written.clear()
         try:
             # Trainer workers' rounds are not this replica's children: their versions time out instead (train job).
             recovered = await self.state.store.recover(rounds=not self.settings.train.workers)
-            if recovered.rounds_failed or recovered.runs_interrupted:
+            if recovered.rounds_failed:
                 log.warning("loop: after the last leader stopped, %s", recovered)
         except Exception as exc:  # the store process is (re)starting: what is stale is found at the next start
             log.warning("loop: could not recover what the last leader left (%s)", exc)
@@ -232,27 +237,44 @@ class Loop:
         if lock.locked():
             return {"job": job, "alias": alias, "status": "busy", "detail": "a run of this job is in progress"}
         async with lock:
-            started = time.monotonic()
-            try:
-                run_id = await self.state.store.job_started(job, alias)
-            except Exception as exc:  # the store process is restarting: try again at the next tick
-                log.warning("loop: %s could not start (%s)", job, exc)
-                return {"job": job, "alias": alias, "status": "failed", "error": str(exc)}
+            started, started_at = time.monotonic(), datetime.now(UTC)
+            self.latest[(job, alias)] = JobRunRecord(id=new_id("job"), job=job, alias=alias, status="running",
+                                                     started_at=started_at)
             error = None
             try:
                 outcome = await self.jobs[job](alias)
             except Exception as exc:
                 log.exception("loop: %s for %s failed; it runs again at its next tick", job, alias or "all aliases")
                 outcome, error = Outcome("failed", f"{type(exc).__name__}: {exc}"), f"{type(exc).__name__}: {exc}"
-            try:
-                await self.state.store.job_finished(run_id, outcome.status, outcome.counts, outcome.detail, error)
-            except Exception as exc:
-                log.warning("loop: could not record the end of %s (%s)", job, exc)
-            if outcome.status not in ("idle", "waiting"):
+            run = self.latest[(job, alias)].model_copy(update={
+                "status": outcome.status, "finished_at": datetime.now(UTC), "counts": outcome.counts,
+                "detail": outcome.detail, "error": error})
+            self.latest[(job, alias)] = run
+            await self._record(run)
+            if outcome.status not in QUIET_STATUSES:
                 log.info("loop: %s %s: %s %s (%.1f s)", job, alias or "*", outcome.status, outcome.detail,
                          time.monotonic() - started)
             return {"job": job, "alias": alias, "status": outcome.status, "detail": outcome.detail,
                     "counts": outcome.counts, "error": error}
+
+    async def _record(self, run: JobRunRecord) -> None:
+        """Write ``run`` to ``job_runs`` unless it is quiet and so was the last run written of its job: a quiet
+        tick (several a second) is seen in :meth:`latest_runs`, and the store keeps the runs that acted."""
+        key = (run.job, run.alias)
+        if run.status in QUIET_STATUSES and self._written.get(key) == run.status:
+            return
+        try:
+            await self.state.store.record_run(run)
+            self._written[key] = run.status
+        except Exception as exc:  # the store process is restarting: the next run is written
+            self._written.pop(key, None)
+            log.warning("loop: could not record the end of %s (%s)", run.job, exc)
+
+    def latest_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
+        """This process's latest run of each of ``jobs`` for ``alias`` (or alias-wide), running ones included:
+        on the leader, fresher than ``job_runs``, which holds a quiet streak's first run."""
+        found = {job: self.latest.get((job, alias)) or self.latest.get((job, None)) for job in jobs}
+        return {job: run for job, run in found.items() if run is not None}
 
     # -- the jobs -------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from flywheel.gateway.core.errors import BadRequest, OpenAIError
 from flywheel.gateway.core.http import json_response, read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object, validate_request
+from flywheel.gateway.core.store_api import JobRunRecord
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop.promotion import promote_version, register_adapter
 from flywheel.gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
@@ -56,11 +57,21 @@ async def _body(request: Request, model: type[BaseModel], state: GatewayState) -
 @router.get("/status", responses=ERRORS)
 async def status(request: Request) -> Response:
     state = await _admin(request)
-    return json_response({"aliases": [await alias_status(state, alias) for alias in state.settings.aliases],
-                          "replica": {"role": Loop.of(request).leadership.role}})
+    loop = Loop.of(request)
+    return json_response({"aliases": [await alias_status(state, alias, loop) for alias in state.settings.aliases],
+                          "replica": {"role": loop.leadership.role}})
 
 
-async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
+async def last_runs(state: GatewayState, alias: str, loop: Loop) -> dict[str, JobRunRecord]:
+    """Each job's latest run: the leader's own (quiet ticks and running ones included), else the store's."""
+    jobs = [*GLOBAL_JOBS, *ALIAS_JOBS]
+    known = loop.latest_runs(alias, jobs) if loop.leadership.leading else {}
+    missing = [job for job in jobs if job not in known]
+    stored = await state.store.last_runs(alias, missing) if missing else {}
+    return {job: known.get(job) or stored[job] for job in jobs if job in known or job in stored}
+
+
+async def alias_status(state: GatewayState, alias: str, loop: Loop) -> dict[str, Any]:
     store = state.store
     served = state.router.get(alias)
     rows = (await store.serving())[alias]
@@ -74,7 +85,7 @@ async def alias_status(state: GatewayState, alias: str) -> dict[str, Any]:
                    "ab": ((flight.gate if flight else None) or {}).get("online")} if canary else None,
         "monitor": ((rows.serving.gate if rows.serving else None) or {}).get("monitor"),
         "pending": await store.pending(alias),
-        "jobs": await store.last_runs(alias, [*GLOBAL_JOBS, *ALIAS_JOBS]),
+        "jobs": await last_runs(state, alias, loop),
         "reward_by_version": (await store.reward_by_version(alias)).model_dump(exclude_none=True),
         "loop": {"enabled": state.settings.loop.enabled, "workers": state.settings.train.workers,
                  "gate": state.settings.loop.gate.offline,

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from flywheel.gateway.core.errors import OpenAIError
 from flywheel.gateway.serving.gateway_state import GatewayState
+from flywheel.gateway.serving.loop.scheduler import Loop
 from flywheel.gateway.serving.routes.loop_admin import alias_status
 from flywheel.gateway.serving.ui import common
 from flywheel.gateway.serving.ui.charts import Timeline, reward_chart, series_class, traffic_chart
@@ -36,7 +37,7 @@ async def overview(request: Request) -> Response:
 async def alias_card(request: Request, alias: str, window_s: int) -> dict[str, Any]:
     """Everything the overview shows for one alias."""
     try:
-        status = await alias_status(GatewayState.of(request), alias)
+        status = await alias_status(GatewayState.of(request), alias, Loop.of(request))
     except OpenAIError as exc:  # the store process is restarting
         raise PageError(exc.status_code, exc.message) from None
     now = time.time()
