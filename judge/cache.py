@@ -13,7 +13,9 @@ table is what was really spent. A batch written for a cache hit (same content, o
 trajectories) costs nothing and says so.
 
 The rows are also the audit trail of the judge's scores: value, explanation, judge model,
-rubric hash. Database calls are short synchronous statements on the caller's thread.
+rubric hash. Database calls are short synchronous statements on the caller's thread. A cache made
+with ``deferred=True`` (the scoring job's) keeps new batches in memory until :meth:`take_unwritten`,
+so they go in with the caller's own transaction: one write per scoring run, not one per judged group.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ def placeholder_trajectory_id(position: int) -> str:
 class JudgeCache:
     """Judge answers stored as ``scores`` rows; :meth:`get` by content key, :meth:`put` after a call."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, deferred: bool = False) -> None:
         self.engine = engine
+        self.deferred = deferred
+        self._unwritten: dict[str, list[Score]] = {}  # deferred batches by key, each the key's first batch
+        self._deferred_rows: list[Score] = []  # every deferred batch's rows, in the order they were put
         self._claims: dict[str, asyncio.Lock] = {}
         self._claimants: defaultdict[str, int] = defaultdict(int)
 
@@ -84,8 +89,11 @@ class JudgeCache:
 
     def get(self, key: str) -> RulerResult | None:
         """The stored answer for ``key`` (``cached=True``, no usage: nothing is paid now), or ``None``."""
-        with Session(self.engine) as session:
-            batches = self._batches(session, key)
+        if key in self._unwritten:
+            batches = {"unwritten": self._unwritten[key]}
+        else:
+            with Session(self.engine) as session:
+                batches = self._batches(session, key)
         # Every batch under one key holds the same answer (later ones copy the first); any will do.
         for rows in batches.values():
             positions = [_batch_and_position(row.id)[1] for row in rows]
@@ -110,8 +118,9 @@ class JudgeCache:
             raise ValueError(f"{len(trajectory_ids)} trajectory ids for {len(result.scores)} scores")
         ids = [tid or placeholder_trajectory_id(i) for i, tid in enumerate(trajectory_ids)]
         with Session(self.engine, expire_on_commit=False) as session:
-            for rows in ({} if none_stored else self._batches(session, key)).values():
-                if [row.trajectory_id for row in rows] == ids and rows[0].group_id == group_id:
+            stored = {} if none_stored else self._batches(session, key)
+            for rows in [*stored.values(), self._unwritten.get(key, [])]:
+                if rows and [row.trajectory_id for row in rows] == ids and rows[0].group_id == group_id:
                     return rows  # the same group again: never two batches for one judging
             batch = f"rs_{uuid.uuid4().hex[:16]}"
             rows = []
@@ -127,6 +136,17 @@ class JudgeCache:
                     "prompt_version": result.prompt_version,
                 }
                 rows.append(Score(**fields))
+            if self.deferred:
+                self._unwritten.setdefault(key, rows)  # a later batch under the key holds the same answer
+                self._deferred_rows.extend(rows)
+                return rows
             bulk_insert(session, Score, [row.model_dump() for row in rows])  # one insert, not the ORM's flush
             session.commit()
+        return rows
+
+    def take_unwritten(self) -> list[dict[str, Any]]:
+        """The deferred batches' rows, for the caller to insert (``bulk_insert``) in its transaction; forgotten here."""
+        rows = [row.model_dump() for row in self._deferred_rows]
+        self._deferred_rows.clear()
+        self._unwritten.clear()
         return rows

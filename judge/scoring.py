@@ -147,9 +147,12 @@ def reward_rows(group_id: str, group: TrajectoryGroup, judge_model: str | None, 
     return rows
 
 
-def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]]) -> None:
-    """The judged groups' final rewards, and their status ``scored``, in one transaction."""
+def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]],
+                   answers: list[dict[str, Any]]) -> None:
+    """The judge's new answers (the cache's rows), the judged groups' final rewards and their status ``scored``,
+    in one transaction."""
     with Session(engine) as session:
+        bulk_insert(session, Score, answers)
         bulk_insert(session, Score, [row for _, rows in judged for row in rows])  # the ORM writes row by row
         for ids in chunks([group_id for group_id, _ in judged], 500):
             session.execute(update(Group).where(col(Group.id).in_(ids)).values(status="scored"))
@@ -165,7 +168,7 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     inputs = await asyncio.to_thread(groups_for_judge, engine, groups)
     summary = ScoringSummary(groups=len(groups))
     semaphore = asyncio.Semaphore(config.max_concurrency)
-    cache = JudgeCache(engine)
+    cache = JudgeCache(engine, deferred=True)
 
     judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
 
@@ -177,7 +180,7 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
             if len(judged) >= WRITE_EVERY:  # a long run (a backlog) keeps what it judged as it goes
                 batch = judged[:]
                 judged.clear()
-                await asyncio.to_thread(_store_rewards, engine, batch)
+                await asyncio.to_thread(_store_rewards, engine, batch, cache.take_unwritten())
         if ok:
             summary.scored += 1
             summary.trajectories += group.size
@@ -188,8 +191,9 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
             on_group_done(group, ok)
 
     await asyncio.gather(*(one(g) for g in groups))
-    if judged:
-        await asyncio.to_thread(_store_rewards, engine, judged)
+    answers = cache.take_unwritten()
+    if judged or answers:
+        await asyncio.to_thread(_store_rewards, engine, judged, answers)
     summary.seconds = time.perf_counter() - started
     log.info("scored %d/%d groups (%d failed) in %.1f s at %s", summary.scored, summary.groups, summary.failed,
              summary.seconds, utcnow().isoformat(timespec="seconds"))

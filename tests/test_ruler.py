@@ -21,6 +21,7 @@ from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from flywheel import judge
 from flywheel.capture.models import Score
+from flywheel.capture.store import bulk_insert
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
 from flywheel.judge import (
     DEFAULT_RUBRIC,
@@ -285,6 +286,29 @@ async def test_cache_answers_a_group_seen_before_without_a_call(scripted: Script
     await judge.ruler_score_group(make_group(BEST, WORST, MIDDLE), MODEL, rubric="Prefer short answers.",
                                   cache=cache, api_base=scripted.base_url, api_key="k", **FAST)
     assert len(scripted.requests) == 2
+
+
+async def test_a_deferred_cache_answers_from_memory_and_writes_only_what_it_is_asked_for(
+        scripted: ScriptedJudge, engine: Any) -> None:
+    cache = JudgeCache(engine, deferred=True)
+    first = await judge.ruler_score_group(make_group(BEST, WORST), MODEL, cache=cache,
+                                          api_base=scripted.base_url, api_key="k", **FAST)
+    other = await judge.ruler_score_group(make_group(BEST, WORST, ids=["t_a", "t_b"], group_id="g2"), MODEL,
+                                          cache=cache, api_base=scripted.base_url, api_key="k", **FAST)
+    assert first is not None and other is not None and len(scripted.requests) == 1  # the second: from memory
+    assert other.metadata["ruler"]["cached"]
+    with Session(engine) as session:
+        assert session.exec(select(Score)).all() == []  # nothing written yet
+    rows = cache.take_unwritten()
+    assert [(r["trajectory_id"], r["group_id"]) for r in rows] == [("traj_0", "grp_1"), ("traj_1", "grp_1"),
+                                                                   ("t_a", "g2"), ("t_b", "g2")]
+    assert rows[0]["prompt_tokens"] > 0 and rows[2]["prompt_tokens"] == 0 and cache.take_unwritten() == []
+    with Session(engine) as session:
+        bulk_insert(session, Score, rows)
+        session.commit()
+    again = await judge.ruler_score_group(make_group(BEST, WORST), MODEL, cache=cache,
+                                          api_base=scripted.base_url, api_key="k", **FAST)
+    assert again is not None and len(scripted.requests) == 1 and cache.take_unwritten() == []  # read back, kept
 
 
 async def test_concurrent_equal_groups_pay_once(scripted: ScriptedJudge, engine: Any) -> None:
