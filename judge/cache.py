@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
+from flywheel.capture.linker import chunks
 from flywheel.capture.models import Score
 from flywheel.capture.store import bulk_insert
 from flywheel.judge.rubric import PROMPT_VERSION
@@ -42,6 +43,14 @@ def _batch_and_position(row_id: str) -> tuple[str, int]:
     """``rs_<batch>_<position>`` -> (batch, position)."""
     batch, _, position = row_id.rpartition("_")
     return batch, int(position)
+
+
+def _by_batch(rows: Iterable[Score]) -> defaultdict[str, dict[str, list[Score]]]:
+    """Rows by cache key, then by batch, each batch in position order."""
+    found: defaultdict[str, dict[str, list[Score]]] = defaultdict(dict)
+    for row in sorted(rows, key=lambda row: _batch_and_position(row.id)):
+        found[row.cache_key or ""].setdefault(_batch_and_position(row.id)[0], []).append(row)
+    return found
 
 
 def placeholder_trajectory_id(position: int) -> str:
@@ -57,6 +66,7 @@ class JudgeCache:
         self.deferred = deferred
         self._unwritten: dict[str, list[Score]] = {}  # deferred batches by key, each the key's first batch
         self._deferred_rows: list[Score] = []  # every deferred batch's rows, in the order they were put
+        self._fetched: dict[str, dict[str, list[Score]]] = {}  # prefetch()'s stored batches by key, misses too
         self._claims: dict[str, asyncio.Lock] = {}
         self._claimants: defaultdict[str, int] = defaultdict(int)
 
@@ -78,14 +88,19 @@ class JudgeCache:
                 del self._claims[key]
 
     def _batches(self, session: Session, key: str) -> dict[str, list[Score]]:
-        rows = session.exec(select(Score).where(Score.cache_key == key, Score.source == SOURCE)
-                            .order_by(col(Score.id))).all()
-        batches: dict[str, list[Score]] = {}
-        for row in rows:
-            batches.setdefault(_batch_and_position(row.id)[0], []).append(row)
-        for batch in batches.values():
-            batch.sort(key=lambda row: _batch_and_position(row.id)[1])
-        return batches
+        if key in self._fetched:
+            return self._fetched[key]
+        rows = session.exec(select(Score).where(Score.cache_key == key, Score.source == SOURCE)).all()
+        return _by_batch(rows)[key]
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Read the stored batches of all ``keys`` at once: :meth:`get` then answers them, hit or miss, from memory."""
+        wanted = sorted(set(keys) - self._fetched.keys())
+        with Session(self.engine) as session:
+            for chunk in chunks(wanted, 500):
+                found = _by_batch(session.exec(select(Score).where(col(Score.cache_key).in_(chunk),
+                                                                   Score.source == SOURCE)).all())
+                self._fetched.update({key: found[key] for key in chunk})
 
     def get(self, key: str) -> RulerResult | None:
         """The stored answer for ``key`` (``cached=True``, no usage: nothing is paid now), or ``None``."""
@@ -142,11 +157,14 @@ class JudgeCache:
                 return rows
             bulk_insert(session, Score, [row.model_dump() for row in rows])  # one insert, not the ORM's flush
             session.commit()
+        self._fetched.pop(key, None)  # read again when asked: it holds this batch now
         return rows
 
     def take_unwritten(self) -> list[dict[str, Any]]:
         """The deferred batches' rows, for the caller to insert (``bulk_insert``) in its transaction; forgotten here."""
         rows = [row.model_dump() for row in self._deferred_rows]
+        for key in self._unwritten:
+            self._fetched.pop(key, None)  # read again when asked: the caller is writing its batch
         self._deferred_rows.clear()
         self._unwritten.clear()
         return rows

@@ -32,7 +32,7 @@ from flywheel.capture.turns import new_id
 from flywheel.judge.cache import JudgeCache
 from flywheel.judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
 from flywheel.judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
-from flywheel.judge.ruler import JudgeConfig, ruler_score_group
+from flywheel.judge.ruler import JudgeConfig, group_candidates, ruler_cache_key, ruler_score_group
 
 log = logging.getLogger("flywheel.scoring")
 
@@ -129,6 +129,13 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
     return reward_rows(group.id, apply_rewards(scored, feedback, policy), judge_model, rubric_hash(rubric))
 
 
+def judge_cache_key(group: Group, judge_input: JudgeInput, config: JudgeConfig) -> str:
+    """The judge cache's key of ``group`` as :func:`judge_group` asks the judge about it."""
+    trajectories, _, task = judge_input
+    return ruler_cache_key(group_candidates(trajectories), config.model,
+                           resolve_rubric(config.rubrics, group.alias, task), None, config.extra_litellm_params)
+
+
 def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dict[str, float]) -> bool:
     """Under ``feedback_overrides``, a group whose every member has feedback can be scored without a judge."""
     return policy.policy == "feedback_overrides" and all(t.id in feedback for t in group.trajectories)
@@ -169,6 +176,8 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     summary = ScoringSummary(groups=len(groups))
     semaphore = asyncio.Semaphore(config.max_concurrency)
     cache = JudgeCache(engine, deferred=True)
+    if config.enabled:  # every group's stored answer in one read, not one read per group
+        await asyncio.to_thread(cache.prefetch, [judge_cache_key(g, inputs[g.id], config) for g in groups])
 
     judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
 

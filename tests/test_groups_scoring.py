@@ -17,6 +17,8 @@ from sqlmodel import select
 from flywheel.capture.groups import training_group
 from flywheel.capture.models import Group, Score
 from flywheel.capture.store import Store
+from flywheel.gateway.core.config import load_settings
+from flywheel.judge.scoring import groups_for_judge, judge_cache_key
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.scripted_openai import Reply, ScriptedOpenAI
@@ -83,6 +85,11 @@ def test_forked_turn_becomes_a_scored_single_turn_group(tmp_path: Path,
     assert sorted(m.reward for m in batch.members) == [0.0, 0.5, 0.5]  # the judge counts "good" and "sample"
     assert {m.turns[0].response_message["content"] for m in batch.members} == {
         "bad answer", "bad answer (sample 1)", "bad answer (sample 2)"}
+    # The key the scoring job reads the judge cache by (once per run, for every group) is the one it stored.
+    with store.session() as session:
+        stored_keys = set(session.exec(select(Score.cache_key).where(Score.source == "ruler")))
+    config = load_settings([gateway.config_file]).judge
+    assert stored_keys == {judge_cache_key(group, groups_for_judge(store.engine, [group])[group.id], config)}
 
 
 def test_explicit_group_feedback_and_policy(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:

@@ -34,7 +34,7 @@ from flywheel.judge import (
     ScoreRangeError,
     TrajectoryIdError,
 )
-from flywheel.judge.ruler import parse_answer
+from flywheel.judge.ruler import group_candidates, parse_answer
 from tests.scripted_judge import ScriptedJudge
 
 MODEL = "openai/scripted-judge"
@@ -309,6 +309,26 @@ async def test_a_deferred_cache_answers_from_memory_and_writes_only_what_it_is_a
     again = await judge.ruler_score_group(make_group(BEST, WORST), MODEL, cache=cache,
                                           api_base=scripted.base_url, api_key="k", **FAST)
     assert again is not None and len(scripted.requests) == 1 and cache.take_unwritten() == []  # read back, kept
+
+
+async def test_a_prefetched_cache_answers_hits_and_misses_from_what_it_read_at_once(
+        scripted: ScriptedJudge, engine: Any) -> None:
+    group, other = make_group(BEST, WORST), make_group(WORST, BEST)
+    await judge.ruler_score_group(group, MODEL, cache=JudgeCache(engine), api_base=scripted.base_url, api_key="k",
+                                  **FAST)
+    hit, miss = (judge.ruler_cache_key(group_candidates(g), MODEL) for g in (group, other))
+    cache = JudgeCache(engine)
+    cache.prefetch([hit, miss])
+    with Session(engine) as session:  # gone from the store: what get() answers now was read by prefetch()
+        stored = session.exec(select(Score)).all()
+        for row in stored:
+            session.delete(row)
+        session.commit()
+    answer = cache.get(hit)
+    assert answer is not None and answer.cached and [s.score for s in answer.scores] == [r.value for r in stored]
+    assert cache.get(miss) is None
+    cache.put(miss, answer, ["t_x", "t_y"], "g_x")  # written: asked again, the key is read from the store
+    assert cache.get(miss) is not None
 
 
 async def test_concurrent_equal_groups_pay_once(scripted: ScriptedJudge, engine: Any) -> None:
