@@ -24,7 +24,6 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-import duckdb_engine
 from orjson import dumps
 from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text, update
 from sqlalchemy.dialects import registry
@@ -350,17 +349,8 @@ def close_in(session: Session, trajectory_id: str, reason: str) -> None:
 _META = SchemaMeta.__table__  # type: ignore[attr-defined]
 
 
-class CachingDuckDBDialect(duckdb_engine.Dialect):
-    """duckdb_engine's dialect with SQLAlchemy's compiled-statement cache on.
-
-    duckdb_engine turns the cache off, as third-party dialects do until they have vouched for it; its
-    statements compile with PostgreSQL's compiler, which caches safely. Without it every statement is
-    compiled again: more CPU than DuckDB takes to run most of the store's queries (docs/benchmarks.md)."""
-
-    supports_statement_cache = True
-
-
-registry.register("duckdb.cached", __name__, "CachingDuckDBDialect")
+# By name: SQLAlchemy imports the dialect (and DuckDB) only when a DuckDB store is opened.
+registry.register("duckdb.cached", "flywheel.capture.duckdb_dialect", "CachingDuckDBDialect")
 
 
 def _engine_url(url: str) -> str:
