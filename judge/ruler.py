@@ -490,6 +490,12 @@ def apply_scores(group: TrajectoryGroup, result: RulerResult) -> TrajectoryGroup
     return TrajectoryGroup(trajectories=scored, id=group.id, metadata=metadata)
 
 
+def group_cache_key(group: TrajectoryGroup, judge_model: str, rubric: str = DEFAULT_RUBRIC, task: str | None = None,
+                    extra_litellm_params: Mapping[str, Any] | None = None) -> str:
+    """The judge cache's key under which :func:`ruler_score_group` looks up and stores its answer about ``group``."""
+    return ruler_cache_key(group_candidates(group), judge_model, rubric, task, extra_litellm_params)
+
+
 async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o3", *,
                             rubric: str = DEFAULT_RUBRIC, task: str | None = None,
                             swallow_exceptions: bool = False, cache: JudgeCache | None = None,
@@ -516,7 +522,7 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
                 timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
                 semaphore=semaphore, extra_litellm_params=extra_litellm_params)
         else:
-            key = ruler_cache_key(candidates, judge_model, rubric, task, extra_litellm_params)
+            key = group_cache_key(group, judge_model, rubric, task, extra_litellm_params)
             trajectory_ids = [t.id for t in group.trajectories]
             async with cache.claim(key):
                 hit = cache.get(key)

@@ -32,7 +32,7 @@ from flywheel.capture.turns import new_id
 from flywheel.judge.cache import JudgeCache
 from flywheel.judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
 from flywheel.judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
-from flywheel.judge.ruler import JudgeConfig, group_candidates, ruler_cache_key, ruler_score_group
+from flywheel.judge.ruler import JudgeConfig, group_cache_key, ruler_score_group
 
 log = logging.getLogger("flywheel.scoring")
 
@@ -132,8 +132,8 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
 def judge_cache_key(group: Group, judge_input: JudgeInput, config: JudgeConfig) -> str:
     """The judge cache's key of ``group`` as :func:`judge_group` asks the judge about it."""
     trajectories, _, task = judge_input
-    return ruler_cache_key(group_candidates(trajectories), config.model,
-                           resolve_rubric(config.rubrics, group.alias, task), None, config.extra_litellm_params)
+    return group_cache_key(trajectories, config.model, resolve_rubric(config.rubrics, group.alias, task),
+                           extra_litellm_params=config.extra_litellm_params)
 
 
 def feedback_decides(policy: RewardPolicy, group: TrajectoryGroup, feedback: dict[str, float]) -> bool:

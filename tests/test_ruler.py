@@ -34,7 +34,7 @@ from flywheel.judge import (
     ScoreRangeError,
     TrajectoryIdError,
 )
-from flywheel.judge.ruler import group_candidates, parse_answer
+from flywheel.judge.ruler import parse_answer
 from tests.scripted_judge import ScriptedJudge
 
 MODEL = "openai/scripted-judge"
@@ -316,7 +316,7 @@ async def test_a_prefetched_cache_answers_hits_and_misses_from_what_it_read_at_o
     group, other = make_group(BEST, WORST), make_group(WORST, BEST)
     await judge.ruler_score_group(group, MODEL, cache=JudgeCache(engine), api_base=scripted.base_url, api_key="k",
                                   **FAST)
-    hit, miss = (judge.ruler_cache_key(group_candidates(g), MODEL) for g in (group, other))
+    hit, miss = (judge.group_cache_key(g, MODEL) for g in (group, other))
     cache = JudgeCache(engine)
     cache.prefetch([hit, miss])
     with Session(engine) as session:  # gone from the store: what get() answers now was read by prefetch()
