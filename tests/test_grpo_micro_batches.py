@@ -32,10 +32,11 @@ BUDGET = 30  # forwarded tokens per piece: the 8 sequences (14 wide padded) go i
 
 
 def make_trainer(tiny_model: Path, loss_type: str = "dapo", level: str = "token", beta: float = 0.0,
-                 budget: int | None = None) -> Any:
+                 budget: int | None = None, zero_lora_b: bool = False, wrapped: bool = False) -> Any:
+    """``wrapped``: the model comes as a PEFT model with its LoRA, as a round that trains an adapter further gets it."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
@@ -47,17 +48,18 @@ def make_trainer(tiny_model: Path, loss_type: str = "dapo", level: str = "token"
                         gradient_accumulation_steps=1, max_completion_length=8, mask_truncated_completions=False,
                         temperature=0.7, loss_type=loss_type, importance_sampling_level=level, beta=beta,
                         epsilon_high=1.1 if loss_type == "cispo" else 0.28, remove_unused_columns=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
+                      init_lora_weights=zero_lora_b)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
         trainer = captured_trainer_class()(
-            model=AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64),
+            model=get_peft_model(model, lora) if wrapped else model,
             reward_funcs=[passthrough_reward], args=config,
             train_dataset=Dataset.from_list([{"prompt": "g", "slot": 0}]),
             processing_class=AutoTokenizer.from_pretrained(tiny_model),
             rollout_func=CapturedRollout(batch.samples, plan_groups(batch)),
-            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                   task_type="CAUSAL_LM", init_lora_weights=False),
-            max_tokens_per_micro_batch=budget)
+            peft_config=None if wrapped else lora, max_tokens_per_micro_batch=budget)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop
     return trainer
@@ -140,15 +142,16 @@ def test_a_micro_batch_in_budget_pieces_has_the_loss_and_gradients_of_the_whole(
 
 
 @contextmanager
-def reference_rows() -> Iterator[Counter[int]]:
-    """Counts the sequences that pass each LoRA layer with its adapter off (the reference forward), per layer."""
+def reference_rows(adapter_off: bool = True) -> Iterator[Counter[int]]:
+    """Counts the sequences that pass each LoRA layer with its adapter off (the reference forward), per layer;
+    with ``adapter_off=False``, those that pass it with its adapter on (a forward of the policy)."""
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     counts: Counter[int] = Counter()
 
     def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        if isinstance(module, BaseTunerLayer) and module.disable_adapters:
+        if isinstance(module, BaseTunerLayer) and module.disable_adapters == adapter_off:
             counts[id(module)] += args[0].size(0)
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
@@ -178,6 +181,30 @@ def test_reference_logprobs_are_computed_once_per_sample_and_equal_trls(tiny_mod
     trl["old_per_token_logps"] = second["old_per_token_logps"]  # the captured behaviour logprobs: ours
     trl["advantages"] = second["advantages"]
     assert float(trainer.compute_loss(trainer.model, second)) == float(trainer.compute_loss(trainer.model, trl))
+
+
+def test_when_the_reference_is_the_round_start_pi_prox_is_its_forward_not_another(tiny_model: Path) -> None:
+    import torch
+
+    rows = [{"prompt": "g", "slot": 0} for _ in range(4)]
+    fresh = make_trainer(tiny_model, beta=0.04, zero_lora_b=True)  # a new LoRA: B = 0, the policy is the base
+    assert fresh.reference_is_round_start and fresh.proximal_policy == "round"
+    with reference_rows(adapter_off=False) as policy_forwards:
+        output = fresh._generate_and_score_completions(rows)
+    assert not policy_forwards  # the reference forward (adapter off) was the only one
+    torch.testing.assert_close(output["old_per_token_logps"], fresh._policy_logps(output), rtol=0, atol=1e-12)
+    moved = make_trainer(tiny_model, beta=0.04)  # B != 0: the base is not the round's start
+    assert not moved.reference_is_round_start
+    with reference_rows(adapter_off=False) as policy_forwards:
+        output = moved._generate_and_score_completions(rows)
+    assert set(policy_forwards.values()) == {4}  # pi_prox: a forward of the policy's own
+    assert not torch.allclose(output["old_per_token_logps"], output["ref_per_token_logps"])
+    further = make_trainer(tiny_model, beta=0.04, wrapped=True)  # an adapter trained further: TRL copies it as "ref"
+    assert further.reference_is_round_start
+    with reference_rows(adapter_off=False) as policy_forwards:
+        output = further._generate_and_score_completions(rows)
+    assert set(policy_forwards.values()) == {4}  # the one forward with an adapter on: the "ref" copy's
+    torch.testing.assert_close(output["old_per_token_logps"], further._policy_logps(output), rtol=0, atol=1e-12)
 
 
 def test_without_a_kl_term_there_is_no_reference_forward(tiny_model: Path) -> None:

@@ -97,6 +97,12 @@ def captured_trainer_class() -> type:
             self.forward_tokens = 0  # positions the forwards processed, padding included
             self.forward_real_tokens = 0  # the real (unpadded) tokens among them
             self.step_metrics: defaultdict[str, list[float]] = defaultdict(list)  # ours, averaged into each log line
+            # TRL's reference is the round's start when it is a frozen copy ("ref") of the adapter trained on, or
+            # the base model under a fresh LoRA whose B starts at 0 (PEFT's default): pi_prox needs no forward then
+            fresh = kwargs.get("peft_config")
+            adapters = getattr(self.accelerator.unwrap_model(self.model), "peft_config", {})
+            self.reference_is_round_start = self.ref_model is None and (
+                "ref" in adapters or (fresh is not None and fresh.init_lora_weights is True))
 
         def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
             rollout = cast(CapturedRollout, self.rollout_func)
@@ -162,8 +168,11 @@ def captured_trainer_class() -> type:
             (the serving version while the training line runs ahead); 1 where mu is unknown.
             """
             if not all(i in self.proximal_logps for i in indices):
-                # TRL's old logprobs, when it took them (more than one step per generation batch), are the same forward
+                # TRL's old logprobs, when it took them (more than one step per generation batch), or its reference
+                # logprobs, when the reference is the round's start, are the same forward
                 b_now = output.get("old_per_token_logps")
+                if b_now is None and self.beta != 0.0 and self.reference_is_round_start:
+                    b_now = output["ref_per_token_logps"]
                 keep_rows(self.proximal_logps, indices, output["completion_mask"],
                           self._policy_logps(output) if b_now is None else b_now)
             b_prox = kept_rows(self.proximal_logps, indices, output["completion_mask"])  # (B, C)
