@@ -80,6 +80,19 @@ def test_a_version_rejected_not_better_stays_on_the_line_unless_measured_below_w
     assert head(session) == v4  # a canary of one pair measured nothing
 
 
+def test_a_version_shown_worse_takes_with_it_the_ancestors_no_gate_saw(session: Session, tmp_path: Path) -> None:
+    v1 = trained(session, tmp_path, None, "rejected", NOT_BETTER_LEVEL)  # gated: level with what served
+    v2 = trained(session, tmp_path, v1, "rejected")  # superseded before its gate
+    v3 = trained(session, tmp_path, v2, "rejected")  # superseded too
+    assert head(session) == v3
+    v4 = trained(session, tmp_path, v3, "rejected", FAILED_OFFLINE)
+    assert head(session) == v1  # versions 2 and 3 were never judged: the failure of their child cuts them too
+    v5 = trained(session, tmp_path, v1, "canary", {"offline": {"decision": "inconclusive"}})
+    v6 = trained(session, tmp_path, v5, "rejected", WORSE_ONLINE)
+    assert head(session) == v5  # a version on canary has been judged offline: the cut stops there
+    assert versions.get(session, "agent", v4).parent_version == v3
+
+
 def test_a_line_through_a_rolled_back_or_missing_version_ends_there(session: Session, tmp_path: Path) -> None:
     v1 = trained(session, tmp_path, None, "promoted")
     v2 = trained(session, tmp_path, v1, "promoted")

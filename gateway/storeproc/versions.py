@@ -121,25 +121,39 @@ def measured_below(online: dict[str, Any]) -> bool:
             and online["mean_difference"] + 2 * error < 0)
 
 
+def seen_by_a_gate(row: AdapterVersion) -> bool:
+    """Whether a gate has judged ``row``: it holds a gate's results, or was promoted or put on canary."""
+    return bool(row.gate) or row.status in ("promoted", "canary")
+
+
 def training_head(session: Session, alias: str) -> AdapterVersion | None:
     """The version the next round continues from (None: the base model).
 
     Training keeps its own line: the newest trained version above the serving one which, like every
     ancestor back to the serving version, was never shown worse (one on canary counts); else the
     serving version. A candidate the canary could not yet tell apart is a step on that line, not a dead end:
-    a round's update is smaller than the test can see, the sum of several is not. What serves is
-    still only what a gate promoted.
+    a round's update is smaller than the test can see, the sum of several is not. A version shown worse
+    takes with it its ancestors no gate ever saw (superseded before theirs): nothing spoke for them, and
+    its failure speaks against the path it came by. What serves is still only what a gate promoted.
     """
     current = serving(session, alias)
     base = current.version if current is not None else 0
     above = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias, AdapterVersion.version > base)
                          .order_by(col(AdapterVersion.version))).all()
+    by_version = {row.version: row for row in above}
+    doubted: set[int] = set()
+    for row in above:
+        if shown_worse(row):
+            parent = by_version.get(row.parent_version or 0)
+            while parent is not None and not seen_by_a_gate(parent):
+                doubted.add(parent.version)
+                parent = by_version.get(parent.parent_version or 0)
     # parents are older than their children: one pass, each version judged once by its own row and its parent's
     on_the_line: dict[int, bool] = {base: True}
     for row in above:
         on_the_line[row.version] = (on_the_line.get(row.parent_version or 0, False) and row.source == "trained"
                                     and row.status not in ("training", "failed", "deleted") and not shown_worse(row)
-                                    and Path(row.path).is_dir())
+                                    and row.version not in doubted and Path(row.path).is_dir())
     newest = next((row for row in reversed(above) if on_the_line[row.version]), None)
     return newest if newest is not None else current
 
