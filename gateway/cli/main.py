@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from pathlib import Path
 from typing import Annotated
@@ -82,6 +83,7 @@ def tiny_model(path: Annotated[Path, typer.Argument(help="Directory to write the
 def main() -> None:
     """The ``flywheel`` command. Bad usage is one ``error:`` line and exit status 2; a file or connection that
     fails (a path that cannot be written, a gateway that stops answering) one line and status 1."""
+    faulthandler.enable()  # a crash in native code (torch, tokenizers) leaves every thread's Python stack in the log
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as exc:  # a usage error: one line, not the usage text

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import pickle
@@ -260,6 +261,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in native code (DuckDB, PostgreSQL's driver) leaves the Python stacks in the log
     parser = argparse.ArgumentParser(description="Flywheel's store process (started by the gateway).")
     parser.add_argument("--api-socket", type=Path, required=True)
     parser.add_argument("--ingest-socket", type=Path, required=True)
