@@ -88,7 +88,7 @@ def test_a_version_shown_worse_takes_with_it_the_ancestors_no_gate_saw(session: 
     v4 = trained(session, tmp_path, v3, "rejected", FAILED_OFFLINE)
     assert head(session) == v1  # versions 2 and 3 were never judged: the failure of their child cuts them too
     v5 = trained(session, tmp_path, v1, "canary", {"offline": {"decision": "inconclusive"}})
-    v6 = trained(session, tmp_path, v5, "rejected", WORSE_ONLINE)
+    trained(session, tmp_path, v5, "rejected", WORSE_ONLINE)
     assert head(session) == v5  # a version on canary has been judged offline: the cut stops there
     assert versions.get(session, "agent", v4).parent_version == v3
 
