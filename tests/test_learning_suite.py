@@ -1,14 +1,14 @@
 """The learning suite, shortened: hands-off, the loop lifts a task and its own sequential test says so.
 
-Runs ``python -m bench.learning_suite --tasks letters --shapes repeated --until-declared`` as a user would: the
-task's warm start, a gateway on deploy/flywheel.small-model.toml, the agent a separate process on the plain
-``openai`` client sending repeated requests and posting rewards as feedback. The run ends at its first promotion
-the canary's test decided, or after MINUTES.
+Runs ``python -m bench.learning_suite --tasks T --shapes S --until-declared`` as a user would, for two
+task-shapes: ``letters`` on repeated requests whose rewards the agent posts as feedback, and ``length`` on
+unique requests with no feedback, every turn forked and the fork groups scored by the judge stand-in. Each
+run: the task's warm start, a gateway on deploy/flywheel.small-model.toml, the agent a separate process on
+the plain ``openai`` client; it ends at its first promotion the canary's test decided, or after MINUTES.
 
 Statistic: the first promotion the test decided, over the warm start (version 0). Threshold: there is one, its
 anytime-valid p(better) is at most the test's alpha (0.05), and the mean paired gain it measured is above 0.
-Measured: docs/learning.md ("In CI"). Forked traffic is not in CI yet: no task-shape of it declared reliably
-within minutes.
+Measured: docs/learning.md ("In CI").
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ RUN_S = (MINUTES + 4) * 60  # the agent's time, plus the warm start, the gateway
 
 
 @pytest.mark.timeout(RUN_S + 60)
-def test_the_loop_lifts_a_task_on_repeated_traffic_by_its_own_test(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("task", "shape"), [("letters", "repeated"), ("length", "unique")])
+def test_the_loop_lifts_a_task_by_its_own_test(tmp_path: Path, task: str, shape: str) -> None:
     out = tmp_path / "runs.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.learning_suite", "--tasks", "letters", "--shapes", "repeated",
+        [sys.executable, "-m", "bench.learning_suite", "--tasks", task, "--shapes", shape,
          "--minutes", str(MINUTES), "--until-declared", "--data-dir", str(tmp_path / "suite"), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout)
     runs = json.loads(out.read_text())
     [run] = runs
-    assert (run["task"], run["shape"], run["agent_errors"]) == ("letters", "repeated", 0), run
+    assert (run["task"], run["shape"], run["agent_errors"]) == (task, shape, 0), run
     assert run["test_promotions"], run  # promoted by the test itself, not by the time running out
     first = run["test_promotions"][0]
     assert first["baseline_version"] == 0 and first["p_better"] <= ALPHA, run
