@@ -181,7 +181,7 @@ def run_one(task: str, shape: str, args: argparse.Namespace, console: Console) -
         stop(gateway)
         judge.terminate()  # after the gateway: a scoring run in progress still reaches it
     serving = status["serving"]["version"]
-    plot_rewards(rewards, versions, run_dir / "reward.png")
+    plot_rewards(rewards, versions, run_dir / "reward.png", title=f"{task}, {shape} traffic")
     by_version = status["reward_by_version"]["versions"]
     result = {
         "task": task, "shape": shape, "minutes": round(minutes, 2), "episodes": len(run.episodes),

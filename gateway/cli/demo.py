@@ -335,7 +335,8 @@ def final_comparison(rewards: list[dict[str, Any]], serving: int) -> dict[str, A
             "sequential": sequential.summary()}
 
 
-def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], out: Path, window: int = 25) -> None:
+def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], out: Path, window: int = 25,
+                 title: str = "flywheel demo") -> None:
     """Reward over finished episodes (each version's moving average), coloured by the version that served them."""
     import matplotlib
 
@@ -362,7 +363,7 @@ def plot_rewards(rewards: list[dict[str, Any]], versions: list[dict[str, Any]], 
     decided: dict[str, int] = {}
     for row in versions:
         decided[row["status"]] = decided.get(row["status"], 0) + 1
-    axes.set_title("flywheel demo: reward by serving version — " + ", ".join(
+    axes.set_title(f"{title}: reward by serving version — " + ", ".join(
         f"{count} {status}" for status, count in sorted(decided.items())), fontsize=10)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, markerscale=2)
     figure.tight_layout()
