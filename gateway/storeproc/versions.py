@@ -141,19 +141,18 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
     above = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias, AdapterVersion.version > base)
                          .order_by(col(AdapterVersion.version))).all()
     by_version = {row.version: row for row in above}
-    doubted: set[int] = set()
-    for row in above:
-        if shown_worse(row):
-            parent = by_version.get(row.parent_version or 0)
-            while parent is not None and not seen_by_a_gate(parent):
-                doubted.add(parent.version)
-                parent = by_version.get(parent.parent_version or 0)
+    cut = {row.version for row in above if shown_worse(row)}
+    for version in list(cut):  # and the ancestors of each that no gate saw
+        parent = by_version.get(by_version[version].parent_version or 0)
+        while parent is not None and not seen_by_a_gate(parent):
+            cut.add(parent.version)
+            parent = by_version.get(parent.parent_version or 0)
     # parents are older than their children: one pass, each version judged once by its own row and its parent's
     on_the_line: dict[int, bool] = {base: True}
     for row in above:
         on_the_line[row.version] = (on_the_line.get(row.parent_version or 0, False) and row.source == "trained"
-                                    and row.status not in ("training", "failed", "deleted") and not shown_worse(row)
-                                    and row.version not in doubted and Path(row.path).is_dir())
+                                    and row.status not in ("training", "failed", "deleted")
+                                    and row.version not in cut and Path(row.path).is_dir())
     newest = next((row for row in reversed(above) if on_the_line[row.version]), None)
     return newest if newest is not None else current
 
