@@ -514,11 +514,10 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
     Returns ``None`` instead of raising a :class:`JudgeError` when ``swallow_exceptions``
     is set, so a gatherer can drop the group and go on. Other arguments: see :func:`ruler`.
     """
-    candidates = group_candidates(group)
     try:
         if cache is None:
             result = await judge_candidates(
-                candidates, judge_model, rubric=rubric, task=task, api_base=api_base, api_key=api_key,
+                group_candidates(group), judge_model, rubric=rubric, task=task, api_base=api_base, api_key=api_key,
                 timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
                 semaphore=semaphore, extra_litellm_params=extra_litellm_params)
         else:
@@ -528,10 +527,10 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
                 hit = cache.get(key)
                 if hit is not None:
                     result = hit
-                else:
+                else:  # what the judge sees, built only when it is asked
                     result = await judge_candidates(
-                        candidates, judge_model, rubric=rubric, task=task, api_base=api_base, api_key=api_key,
-                        timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
+                        group_candidates(group), judge_model, rubric=rubric, task=task, api_base=api_base,
+                        api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
                         backoff_max_s=backoff_max_s, semaphore=semaphore, extra_litellm_params=extra_litellm_params)
                 # A hit for other trajectories (same content, another group) still records their rows.
                 cache.put(key, result, trajectory_ids, group.id, none_stored=hit is None)
