@@ -63,8 +63,7 @@ def serve(config: ConfigOption = None,
     except PreflightError as exc:
         fail(str(exc))
     configure_logging(settings)  # redacted, uvicorn's loggers included (log_config=None)
-    # asyncio's own loop, not uvloop: uvloop 0.23 killed this process twice with SIGSEGV (a null function pointer
-    # in its run loop, after the training child's reply on its pipe; uvloop issue #538 is the same crash)
+    # asyncio's own loop: uvloop crashes this process on the training child's pipe (docs/gateway.md, "Two processes")
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
                 log_level=settings.log_level, timeout_graceful_shutdown=30, loop="asyncio")
 
