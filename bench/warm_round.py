@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from flywheel.gateway.core.processes import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "Who are you?"}]
+CAPTURE_CONCURRENCY = 16
 
 
 @dataclass
@@ -62,15 +64,20 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 def capture_groups(url: str, groups: int, max_tokens: int, rng: random.Random, tag: str) -> None:
     """Explicit groups of 8 with random rewards, grouped and scored: what the next round trains on."""
-    for g in range(groups):
-        for _ in range(8):
-            reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Flywheel-Group-Id": f"{tag}-{g}"},
-                               json={"model": "agent", "messages": QUESTION, "max_tokens": max_tokens,
-                                     "temperature": 1.0})
-            httpx.post(f"{url}/flywheel/v1/feedback", timeout=60,
-                       json={"completion_id": reply.json()["id"], "reward": rng.random()}).raise_for_status()
-    httpx.post(f"{url}/flywheel/v1/jobs/groups", timeout=60).raise_for_status()
-    scored = httpx.post(f"{url}/flywheel/v1/jobs/score", timeout=120).json()
+    rewards = [rng.random() for _ in range(groups * 8)]
+
+    def episode(n: int, client: httpx.Client) -> None:
+        reply = client.post("/v1/chat/completions", headers={"X-Flywheel-Group-Id": f"{tag}-{n // 8}"},
+                            json={"model": "agent", "messages": QUESTION, "max_tokens": max_tokens,
+                                  "temperature": 1.0})
+        client.post("/flywheel/v1/feedback", json={"completion_id": reply.json()["id"],
+                                                     "reward": rewards[n]}).raise_for_status()
+
+    # concurrent, as agents send them: one request at a time made a 32-group round's capture outlast its step
+    with httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(CAPTURE_CONCURRENCY) as pool:
+        list(pool.map(lambda n: episode(n, client), range(groups * 8)))
+        client.post("/flywheel/v1/jobs/groups").raise_for_status()
+        scored = client.post("/flywheel/v1/jobs/score").json()
     assert scored["scored"] >= groups, scored  # the store may also form a group of the same task
 
 
