@@ -57,6 +57,7 @@ class CapturedExchange:
     source: str = "client"  # "client" | "fork"
     client_choices: int | None = None  # forked request: choices from this index on are siblings the client never saw
     other_arm: tuple[int, int, str] | None = None  # (choice index, adapter_version, engine_model): a canary's fork
+    explored: tuple[int, int, str] | None = None  # (first choice index, version, engine_model): the head's siblings
     # Fixed where the exchange is made: its turns' ids derive from it, so a resent or re-spooled exchange is skipped.
     exchange_id: str = field(default_factory=lambda: os.urandom(16).hex())
 
@@ -120,9 +121,13 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
         completion_ids = choice.get("token_ids")
         index = int(choice.get("index", 0))
         forked = exchange.client_choices is not None and index >= exchange.client_choices
-        other = exchange.other_arm
-        version, engine_model = ((other[1], other[2]) if other is not None and index == other[0]  # the other arm's
-                                 else (exchange.adapter_version, exchange.engine_model))
+        other, explored = exchange.other_arm, exchange.explored
+        if other is not None and index == other[0]:  # the canary's other arm
+            version, engine_model = other[1], other[2]
+        elif explored is not None and index >= explored[0]:  # the training head's siblings
+            version, engine_model = explored[1], explored[2]
+        else:
+            version, engine_model = exchange.adapter_version, exchange.engine_model
         row: dict[str, Any] = {
             "id": turn_id(exchange.exchange_id, position),
             "completion_id": exchange.completion_id,

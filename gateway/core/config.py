@@ -200,6 +200,8 @@ class GroupsConfig(BaseModel):
     cohorts: bool = False  # also group by system prompt + tools alone (weaker signal)
     fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
+    # "head": the siblings come from the training line's head, so a round learns from the policy it trains
+    fork_from: Literal["serving", "head"] = "serving"
     form_every_s: float = Field(default=60.0, gt=0)  # how often closed trajectories are grouped
 
     @model_validator(mode="after")

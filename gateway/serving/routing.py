@@ -40,6 +40,7 @@ class ModelRouter:
         self._routing = routing
         self._served = served
         self.canaries: dict[str, CanarySplit] = {}
+        self.explorers: dict[str, ServedModel] = {}  # the training head, answering forks' siblings (fork_from)
         self._locks = {alias: asyncio.Lock() for alias in served}
         self.generation = 0  # counts switches and canary changes (a reader of the store can tell it went stale)
         # Replicas sharing an engine: a replaced adapter stays loaded this long, as the others may still route to it.
@@ -132,6 +133,24 @@ class ModelRouter:
         if split is not None:
             await self._retire_soon(split.served, drain_timeout_s)
 
+    async def explore(self, alias: str, version: int, path: str | None) -> None:
+        """Answer forked turns' siblings from ``version`` (the training head; 0: as the serving version does)."""
+        async with self._locks[alias]:
+            old = self.explorers.pop(alias, None)
+            if version:
+                new = old if old is not None and old.version == version else self.version_model(alias, version, path)
+                if new is not old:
+                    await self.load(new)
+                self.explorers[alias] = new
+        if old is not None and self.explorers.get(alias) is not old:
+            log.info("alias %s: forks' siblings now from version %d", alias, version)
+            await self._retire_soon(old)
+
+    def in_use(self, adapter: str | None) -> bool:
+        """Whether an alias, a canary or an explorer still answers with ``adapter``."""
+        return adapter in ({s.adapter for s in self.all()} | {c.served.adapter for c in self.canaries.values()}
+                           | {e.adapter for e in self.explorers.values()})
+
     async def _retire_soon(self, served: ServedModel, drain_timeout_s: float = 30.0) -> None:
         """Retire ``served`` now, or (``retire_after_s``) in the background once the other replicas followed."""
         if self.retire_after_s <= 0:
@@ -143,7 +162,7 @@ class ModelRouter:
 
     async def _retire_later(self, served: ServedModel, drain_timeout_s: float) -> None:
         await asyncio.sleep(self.retire_after_s)
-        if served.adapter in {s.adapter for s in self.all()} | {c.served.adapter for c in self.canaries.values()}:
+        if self.in_use(served.adapter):
             return  # serving here again meanwhile (a rollback to it)
         try:
             await self.retire(served, drain_timeout_s)
@@ -151,8 +170,8 @@ class ModelRouter:
             log.info("%s was not unloaded (%s)", served.adapter, exc.message)
 
     async def retire(self, served: ServedModel, drain_timeout_s: float = 30.0) -> None:
-        """Unload ``served``'s adapter after its in-flight requests finished (bounded wait)."""
-        if served.adapter is None:
+        """Unload ``served``'s adapter after its in-flight requests finished (bounded wait), unless it answers on."""
+        if served.adapter is None or self.in_use(served.adapter):
             return
         deadline = asyncio.get_running_loop().time() + drain_timeout_s
         while served.in_flight > 0 and asyncio.get_running_loop().time() < deadline:

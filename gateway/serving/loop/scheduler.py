@@ -118,6 +118,7 @@ class Loop:
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.latest: dict[tuple[str, str | None], JobRunRecord] = {}  # each job's latest run here, per alias
         self._written: dict[tuple[str, str | None], str] = {}  # the status of each job's last run written
+        self._head_seen: dict[str, tuple[Any, ...]] = {}  # per alias, the versions the forks' head was chosen at
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
             "train": self.train, "gate": self.gate, "ab": self.ab}
@@ -340,7 +341,10 @@ class Loop:
     async def gate(self, alias: str | None) -> Outcome:
         assert alias is not None
         store, config = self.state.store, self.settings.loop
-        flight = (await store.serving())[alias].in_flight
+        rows = (await store.serving())[alias]
+        if self.settings.groups.fork_from == "head":
+            await self._follow_head(alias, rows)
+        flight = rows.in_flight
         if flight is None or flight.status != "candidate":
             return Outcome("idle", "no candidate")
         version, results = flight.version, flight.gate or {}
@@ -379,6 +383,19 @@ class Loop:
 
     # -- gate, canary, monitor --------------------------------------------------------------------------------
 
+    async def _follow_head(self, alias: str, rows: AliasVersions) -> None:
+        """Forks' siblings from the training head (``groups.fork_from = "head"``), read again when a version
+        was trained or decided; never raises (the forks keep the version they had)."""
+        seen = tuple((v.version, v.status) if v else None for v in (rows.serving, rows.in_flight, rows.waiting))
+        if self._head_seen.get(alias) == seen:
+            return
+        try:
+            head = await self.state.store.training_head(alias)
+            await self.state.router.explore(alias, head.version if head else 0, head.path if head else None)
+            self._head_seen[alias] = seen
+        except Exception as exc:
+            log.warning("loop: %s's forks stay on their version: the head could not be loaded (%s)", alias, exc)
+
     async def _offline_gate(self, alias: str, flight: Version) -> dict[str, Any] | None:
         config = self.settings.loop.gate
         contexts = await self.state.store.heldout_contexts(alias, config.contexts)
@@ -392,7 +409,7 @@ class Loop:
 
     async def _unload(self, alias: str, flight: Version) -> None:
         candidate = self.state.router.version_model(alias, flight.version, flight.path)
-        if candidate.adapter in await candidate.engine.adapters():
+        if not self.state.router.in_use(candidate.adapter) and candidate.adapter in await candidate.engine.adapters():
             await candidate.engine.unload_adapter(candidate.adapter)
 
     async def _start_canary(self, alias: str, flight: Version, started_at: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeVar
@@ -163,18 +163,23 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         to_engine = engine_request(body, served, endpoint)
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
                             served=served, requested_model=body["model"], client_key_id=key_id, started=started)
-        cross = None
+        sides: list[CrossFork] = []
         if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
             client_n = int(body.get("n") or 1)
             asks = replace(asks, choices=client_n)
-            to_engine["n"] = client_n + plan.fork_k
+            siblings = plan.fork_k
             if canary is not None:  # the last sibling from the other version: a same-context pair for the canary
-                to_engine["n"] -= 1
+                siblings -= 1
                 other = state.router.get(alias) if served is canary.served else canary.served
-                cross = CrossFork.start(to_engine, other, client_n + plan.fork_k - 1)
+                sides.append(CrossFork.start(to_engine, other, client_n + siblings))
+            head = state.router.explorers.get(alias)
+            if head is not None and siblings and head.version != served.version:  # samples of the policy in training
+                sides.append(CrossFork.start(to_engine, head, client_n, siblings, kind="head"))
+                siblings = 0
+            to_engine["n"] = client_n + siblings
         if body.get("stream"):
             return await _stream(state, served, endpoint, to_engine, asks, body, started, plan, canary, len(raw),
-                                 cross)
+                                 sides)
         served.in_flight += 1
         try:
             answer = served.engine.chat(to_engine) if endpoint is Endpoint.CHAT else served.engine.completion(to_engine)
@@ -195,7 +200,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state.metrics.latency.labels(endpoint.value, alias).observe(time.perf_counter() - started)
     if plan is None:
         return Response(content, media_type=_JSON_MEDIA)
-    return RecordedResponse(content, state.store_link, plan.exchange(body, result), len(raw), cross)
+    return RecordedResponse(content, state.store_link, plan.exchange(body, result), len(raw), sides)
 
 
 class ClientLeft(Exception):
@@ -245,21 +250,21 @@ class RecordedResponse(Response):
     media_type = _JSON_MEDIA
 
     def __init__(self, content: bytes, store_link: StoreLink, exchange: CapturedExchange, request_bytes: int,
-                 cross: CrossFork | None = None) -> None:
+                 sides: Sequence[CrossFork] = ()) -> None:
         super().__init__(content)
         self.store_link = store_link
         self.exchange = exchange
         self.request_bytes = request_bytes
-        self.cross = cross
+        self.sides = sides
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
-        cross_fork.submit(self.store_link, self.exchange, self.request_bytes, self.cross)
+        cross_fork.submit(self.store_link, self.exchange, self.request_bytes, self.sides)
 
 
 async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, to_engine: Body,
                   asks: ClientAsks, body: Body, started: float, plan: CapturePlan | None,
-                  canary: CanarySplit | None, request_bytes: int, cross: CrossFork | None = None) -> Response:
+                  canary: CanarySplit | None, request_bytes: int, sides: Sequence[CrossFork] = ()) -> Response:
     """Start the engine's stream; errors before its first chunk are plain HTTP errors."""
     if endpoint is Endpoint.CHAT:
         chunks = served.engine.chat_stream(to_engine)
@@ -277,7 +282,7 @@ async def _stream(state: GatewayState, served: ServedModel, endpoint: Endpoint, 
         raise
     state.metrics.first_chunk.labels(endpoint.value, served.alias).observe(time.perf_counter() - started)
     on_candidate = canary is not None and served is canary.served
-    stream_end = (StreamEnd(endpoint, body, request_bytes, plan, canary, on_candidate, cross)
+    stream_end = (StreamEnd(endpoint, body, request_bytes, plan, canary, on_candidate, sides)
                   if plan is not None or canary is not None else None)
     return EventStream(_sse_events(state, served, endpoint, first, chunks, asks, body, started, stream_end))
 
@@ -310,7 +315,7 @@ class StreamEnd:
     plan: CapturePlan | None
     canary: CanarySplit | None
     on_candidate: bool
-    cross: CrossFork | None = None  # a canary's fork answered by the other version, joined when it is in
+    sides: Sequence[CrossFork] = ()  # siblings another version answers (cross_fork), joined when they are in
     assembler: StreamAssembler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -326,7 +331,7 @@ class StreamEnd:
         elif self.canary is not None:
             remember_answers(self.canary, response, self.on_candidate)
         if self.plan is not None:
-            cross_fork.submit(store_link, self.plan.exchange(self.body, response), self.request_bytes, self.cross)
+            cross_fork.submit(store_link, self.plan.exchange(self.body, response), self.request_bytes, self.sides)
 
 
 async def _sse_events(state: GatewayState, served: ServedModel, endpoint: Endpoint, first: Chunk,
