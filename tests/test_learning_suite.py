@@ -1,8 +1,9 @@
 """The learning suite, shortened: hands-off, the loop lifts a task and its own sequential test says so.
 
-Runs ``python -m bench.learning_suite --tasks T --shapes S --until-declared`` as a user would, for two
-task-shapes: ``letters`` on repeated requests whose rewards the agent posts as feedback, and ``length`` on
-unique requests with no feedback, every turn forked and the fork groups scored by the judge stand-in. Each
+Runs ``python -m bench.learning_suite --tasks T --shapes S --until-declared`` as a user would, for two tasks
+(``letters``, a dense share; ``length``, a distance) in both shapes: repeated requests whose rewards the agent
+posts as feedback, and unique requests with no feedback, every turn forked and the fork groups scored by the
+judge stand-in. Each
 run: the task's warm start, a gateway on deploy/flywheel.small-model.toml, the agent a separate process on
 the plain ``openai`` client; it ends at its first promotion the canary's test decided, or after MINUTES.
 
@@ -29,7 +30,8 @@ RUN_S = (MINUTES + 4) * 60  # the agent's time, plus the warm start, the gateway
 
 
 @pytest.mark.timeout(RUN_S + 60)
-@pytest.mark.parametrize(("task", "shape"), [("letters", "repeated"), ("length", "unique")])
+@pytest.mark.parametrize(("task", "shape"), [(task, shape) for task in ("letters", "length")
+                                             for shape in ("repeated", "unique")])
 def test_the_loop_lifts_a_task_by_its_own_test(tmp_path: Path, task: str, shape: str) -> None:
     out = tmp_path / "runs.json"
     done = subprocess.run(
