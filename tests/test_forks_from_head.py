@@ -50,7 +50,12 @@ min_contexts = 1000  # the candidate waits: it stays the head, and version 0 ser
              for n in range(2, 5)]
     assert all(len(reply.choices) == 1 and f"served by {BASE}" in (reply.choices[0].message.content or "")
                for reply in [before, *after])  # the client sees the serving version alone
-    wait_for(lambda: vllm.events.count(("answer", "agent@1")) >= 1 + 3, what="the head's answers")  # its ping too
+    chunks = list(client.chat.completions.create(model="agent", stream=True,
+                                                 messages=[{"role": "user", "content": "ticket #5"}]))
+    assert {choice.index for chunk in chunks for choice in chunk.choices} == {0}
+    assert f"served by {BASE}" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = chunks[0].id
+    wait_for(lambda: vllm.events.count(("answer", "agent@1")) >= 1 + 4, what="the head's answers")  # its ping too
     assert status(gateway)["serving"]["version"] == 0
     gateway.stop()
     store = Store(gateway.dir / "data" / "flywheel.duckdb")
@@ -62,10 +67,10 @@ min_contexts = 1000  # the candidate waits: it stays the head, and version 0 ser
     by_completion: dict[str, list[Turn]] = {}
     for turn in turns:
         by_completion.setdefault(turn.completion_id, []).append(turn)
-    recorded = {reply.id: sorted((t.choice_index, t.source, t.adapter_version, t.engine_model)
-                                 for t in by_completion[reply.id]) for reply in [before, *after]}
+    recorded = {completion: sorted((t.choice_index, t.source, t.adapter_version, t.engine_model) for t in rows)
+                for completion, rows in by_completion.items()}
     assert recorded[before.id] == [(0, "client", 0, BASE), (1, "fork", 0, BASE), (2, "fork", 0, BASE)]
-    for reply in after:
-        assert recorded[reply.id] == [(0, "client", 0, BASE), (1, "fork", 1, "agent@1"), (2, "fork", 1, "agent@1")]
-        assert all(f"served by {model}" in (t.response_message or {}).get("content", "")
-                   for t in by_completion[reply.id] for model in [t.engine_model])
+    for completion in [*(reply.id for reply in after), streamed]:
+        assert recorded[completion] == [(0, "client", 0, BASE), (1, "fork", 1, "agent@1"), (2, "fork", 1, "agent@1")]
+        assert all(f"served by {t.engine_model}" in (t.response_message or {}).get("content", "")
+                   for t in by_completion[completion])
