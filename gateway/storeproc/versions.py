@@ -142,9 +142,9 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
                          .order_by(col(AdapterVersion.version))).all()
     by_version = {row.version: row for row in above}
     cut = {row.version for row in above if shown_worse(row)}
-    for version in list(cut):  # and the ancestors of each that no gate saw
+    for version in list(cut):  # and the ancestors of each that no gate saw (a cut one's were walked, or will be)
         parent = by_version.get(by_version[version].parent_version or 0)
-        while parent is not None and not seen_by_a_gate(parent):
+        while parent is not None and not seen_by_a_gate(parent) and parent.version not in cut:
             cut.add(parent.version)
             parent = by_version.get(parent.parent_version or 0)
     # parents are older than their children: one pass, each version judged once by its own row and its parent's
