@@ -162,10 +162,8 @@ class ModelRouter:
 
     async def _retire_later(self, served: ServedModel, drain_timeout_s: float) -> None:
         await asyncio.sleep(self.retire_after_s)
-        if self.in_use(served.adapter):
-            return  # serving here again meanwhile (a rollback to it)
         try:
-            await self.retire(served, drain_timeout_s)
+            await self.retire(served, drain_timeout_s)  # not if it answers here again meanwhile (a rollback to it)
         except OpenAIError as exc:  # another replica unloaded it first
             log.info("%s was not unloaded (%s)", served.adapter, exc.message)
 
