@@ -142,6 +142,9 @@ class Loop:
                 if job.id != "follow":
                     job.remove()
             await self.child.stop_all()  # the new leader records them failed
+            self._head_seen.clear()  # as every follower, forks answer from the serving version until it leads again
+            for alias in list(self.state.router.explorers):
+                await self.state.router.explore(alias, 0, None)
             return
         self.started_at = time.time()
         self.latest.clear()  # the runs shown are this leadership's
@@ -231,7 +234,13 @@ class Loop:
         if not self.leadership.leading:
             return {"job": job, "alias": alias, "status": "follower",
                     "detail": "another replica runs the loop's jobs (the leader); this one follows the store"}
-        return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
+        try:
+            return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # The scheduler's shutdown cancels a run in flight: the gateway is stopping, not the job failing.
+            return {"job": job, "alias": alias, "status": "stopped", "detail": "the gateway stopped during the run"}
 
     async def _run(self, job: str, alias: str | None) -> dict[str, Any]:
         lock = self.lock(job, alias)
