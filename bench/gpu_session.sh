@@ -31,9 +31,10 @@ run() {  # run NAME SECONDS COMMAND...: one check under its timeout, its output 
 }
 
 # The loss that trains against TRL's reference, on CUDA (bf16/TF32 tolerance), TRL's contract, and the
-# micro-batched round (pi_prox from the reference forward) against whole batches.
+# micro-batched round (pi_prox from the reference forward) against whole batches. One process, no addopts:
+# the carried wheels need not include pytest-xdist.
 loss_tests() {
-    run loss_tests 240 python3 -m pytest -q -p no:randomly tests/test_grpo_loss.py tests/test_trl_contract.py \
+    run loss_tests 240 python3 -m pytest -q -o addopts= tests/test_grpo_loss.py tests/test_trl_contract.py \
         tests/test_grpo_micro_batches.py
 }
 

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flywheel.gateway.cli.demo import CANARY_ENDS, REPO, canary_decision
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_demo_trains_and_its_canary_decides_on_its_own(tmp_path: Path) -> None:

@@ -87,8 +87,10 @@ def test_a_restart_mid_canary_resumes_it(tmp_path: Path) -> None:
 
 
 def training_children(gateway: GatewayProcess) -> list[psutil.Process]:
+    """The gateway's own training children: not their descendants, which share their command line between
+    a fork and its exec."""
     assert gateway.proc is not None
-    return [p for p in psutil.Process(gateway.proc.pid).children(recursive=True)
+    return [p for p in psutil.Process(gateway.proc.pid).children()
             if "train" in p.cmdline() and "gateway" in " ".join(p.cmdline())]
 
 
