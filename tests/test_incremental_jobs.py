@@ -55,6 +55,21 @@ def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(sto
     assert groups_of(store) == {"task-x": {"t1", "t2"}}
 
 
+def test_a_write_that_committed_much_later_is_grouped_by_the_next_long_look(store: Store) -> None:
+    closed(store, "t1", "task-z", utcnow() - timedelta(hours=1))
+    assert store_ops.run_group_formation(store, SETTINGS) == []  # a full pass: one member, no group yet
+    mark = store_ops.FORMATION_MARKS[store]
+    late = mark.started - timedelta(seconds=store_ops.SHORT_LAG_S + 15)  # beyond a short look, within a long one
+    closed(store, "t2", "task-z", late)
+    assert store_ops.run_group_formation(store, SETTINGS) == []  # a short look: not seen yet
+    assert not mark.look().long
+    mark.long_at -= store_ops.LONG_LOOK_S  # a long look is due
+    look = mark.look()
+    assert look.long and look.since is not None and look.since <= late
+    assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-z"]
+    assert groups_of(store) == {"task-z": {"t1", "t2"}}
+
+
 def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None:
     assert store_ops.run_group_formation(store, SETTINGS) == []
     long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)

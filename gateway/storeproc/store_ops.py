@@ -84,26 +84,48 @@ def close_idle(store: Store, settings: Settings) -> int:
     return closed
 
 
-MARK_LAG_S = 60.0  # a run looks back this far past the last run's start: writes that committed late are seen
+SHORT_LAG_S = 5.0  # a run looks back this far past the last run's start: a write that committed a little late
+MARK_LAG_S = 60.0  # every LONG_LOOK_S a run looks back this far past the last such run's start: one much later
+LONG_LOOK_S = 30.0
 FULL_PASS_S = 600.0  # every key is looked at this often: what no watermark shows (a replayed spool, a deleted group)
+
+
+@dataclass(frozen=True)
+class Look:
+    """What one run of an incremental job reads: rows since ``since`` (None: everything); ``long``: a look far
+    enough back for writes that committed up to ``MARK_LAG_S`` late."""
+
+    since: datetime | None
+    long: bool
 
 
 @dataclass
 class Watermark:
-    """Where the last run of an incremental job started, and when it last looked at everything (docs/loop.md)."""
+    """Where the last runs of an incremental job started, and when it last looked at everything (docs/loop.md)."""
 
-    started: datetime | None = None
+    started: datetime | None = None  # the last run's start
+    long_started: datetime | None = None  # the last long (or full) run's start
+    long_at: float = -math.inf
     full_at: float = -math.inf
 
-    def since(self) -> datetime | None:
-        """What this run reads from; None: everything (the first run, or a full pass is due)."""
-        if self.started is None or time.monotonic() - self.full_at >= FULL_PASS_S:
-            return None
-        return self.started - timedelta(seconds=MARK_LAG_S)
+    def look(self) -> Look:
+        """What this run reads: everything (the first run, or a full pass is due), a long look every
+        ``LONG_LOOK_S``, else a short one."""
+        now = time.monotonic()
+        if self.started is None or self.long_started is None or now - self.full_at >= FULL_PASS_S:
+            return Look(None, long=True)
+        if now - self.long_at >= LONG_LOOK_S:
+            return Look(self.long_started - timedelta(seconds=MARK_LAG_S), long=True)
+        return Look(self.started - timedelta(seconds=SHORT_LAG_S), long=False)
 
-    def ran(self, started: datetime, since: datetime | None) -> None:
+    def since(self) -> datetime | None:
+        return self.look().since
+
+    def ran(self, started: datetime, look: Look) -> None:
         self.started = started
-        if since is None:
+        if look.long:
+            self.long_started, self.long_at = started, time.monotonic()
+        if look.since is None:
             self.full_at = time.monotonic()
 
 
@@ -114,11 +136,11 @@ def run_group_formation(store: Store, settings: Settings) -> list[FormedGroup]:
     """Form the groups the store allows now; the new groups as dicts. Incremental: only what changed since a
     little before the last run (``Watermark``), and everything every ``FULL_PASS_S``."""
     mark = FORMATION_MARKS.setdefault(store, Watermark())
-    started, since = utcnow(), mark.since()
+    started, look = utcnow(), mark.look()
     with Session(store.engine, expire_on_commit=False) as session:
-        groups = form_groups(session, grouping_rules(settings), since=since)
+        groups = form_groups(session, grouping_rules(settings), since=look.since)
         session.commit()
-    mark.ran(started, since)
+    mark.ran(started, look)
     return [FormedGroup(id=g.id, source=g.source, key=g.key, alias=g.alias, size=g.size) for g in groups]
 
 
@@ -480,7 +502,8 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByV
     may have changed since a little before the last call; everything again every ``FULL_PASS_S``."""
     judge_only = settings.rewards.policy == "judge_only"
     kept = VERSION_REWARDS.setdefault(store, {}).setdefault((alias, judge_only), VersionRewards())
-    started, since = utcnow(), kept.mark.since()
+    started, look = utcnow(), kept.mark.look()
+    since = look.since
     with store.session() as session:
         if since is None:
             rows, mixed = _rewarded(session, alias, judge_only=judge_only)
@@ -500,7 +523,7 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByV
             kept.mixed |= mixed
     for row in rows:
         kept.add(row["trajectory_id"], row["version"], row["reward"])
-    kept.mark.ran(started, since)
+    kept.mark.ran(started, look)
     return RewardByVersion(versions={str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)},
                            mixed=len(kept.mixed))
 
