@@ -46,6 +46,8 @@ min_contexts = 1000  # the candidate waits: it stays the head, and version 0 ser
     before = client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "ticket #1"}])
     assert report_round(gateway, {}) == 1  # a trained version: the line's head
     wait_for(lambda: ("load", "agent@1") in vllm.events, what="the head loaded for the forks")
+    wait_for(lambda: (status(gateway)["forks_from"] or {}).get("version") == 1,
+             what="the status to say the head answers the forks")  # the load answered, then the router switched
     after = [client.chat.completions.create(model="agent", messages=[{"role": "user", "content": f"ticket #{n}"}])
              for n in range(2, 5)]
     assert all(len(reply.choices) == 1 and f"served by {BASE}" in (reply.choices[0].message.content or "")

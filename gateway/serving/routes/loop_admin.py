@@ -76,6 +76,7 @@ async def alias_status(state: GatewayState, alias: str, loop: Loop) -> dict[str,
     served = state.router.get(alias)
     rows = (await store.serving())[alias]
     canary = state.router.canaries.get(alias)
+    head = state.router.explorers.get(alias)
     flight = rows.in_flight
     return {
         "alias": alias,
@@ -84,6 +85,7 @@ async def alias_status(state: GatewayState, alias: str, loop: Loop) -> dict[str,
         "canary": {"version": canary.served.version, "fraction": canary.fraction, "started_at": canary.started_at,
                    "ab": ((flight.gate if flight else None) or {}).get("online")} if canary else None,
         "monitor": ((rows.serving.gate if rows.serving else None) or {}).get("monitor"),
+        "forks_from": {"version": head.version, "adapter": head.adapter} if head else None,  # else: the serving one
         "pending": await store.pending(alias),
         "jobs": await last_runs(state, alias, loop),
         "reward_by_version": (await store.reward_by_version(alias)).model_dump(exclude_none=True),
