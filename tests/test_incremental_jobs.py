@@ -47,7 +47,7 @@ def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(sto
     closed(store, "t1", "task-x", utcnow())
     assert store_ops.run_group_formation(store, SETTINGS) == []  # the first run: a full pass
     mark = store_ops.FORMATION_MARKS[store]
-    assert mark.started is not None and mark.since() is not None  # the next run is incremental
+    assert mark.started is not None and mark.look().since is not None  # the next run is incremental
     # Written concurrently with that run: it closed before the run started, its transaction committed after.
     closed(store, "t2", "task-x", mark.started - timedelta(seconds=1))
     formed = store_ops.run_group_formation(store, SETTINGS)
@@ -78,7 +78,7 @@ def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None
     assert store_ops.run_group_formation(store, SETTINGS) == []  # incremental: not seen
     store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
     assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-y"]
-    assert store_ops.FORMATION_MARKS[store].since() is not None
+    assert store_ops.FORMATION_MARKS[store].look().since is not None
 
 
 def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Pat
                 if store is full and store in store_ops.FORMATION_MARKS:
                     store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S
                 store_ops.run_group_formation(store, SETTINGS)
-        assert store_ops.FORMATION_MARKS[incremental].since() is not None
+        assert store_ops.FORMATION_MARKS[incremental].look().since is not None
         by_runs, by_full = ({key: sorted(members) for key, members in groups_of(s).items()}
                             for s in (incremental, full))
         assert by_runs == by_full
@@ -143,7 +143,7 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
             store_ops.VERSION_REWARDS[store] = kept
         answer = store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
         kept = store_ops.VERSION_REWARDS[store]
-        assert kept[("a", False)].mark.since() is not None  # answered from the watermark after the first
+        assert kept[("a", False)].mark.look().since is not None  # answered from the watermark after the first
         expected = from_scratch(store)
         assert answer["mixed"] == expected["mixed"]
         assert answer["versions"].keys() == expected["versions"].keys()

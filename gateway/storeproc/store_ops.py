@@ -118,9 +118,6 @@ class Watermark:
             return Look(self.long_started - timedelta(seconds=MARK_LAG_S), long=True)
         return Look(self.started - timedelta(seconds=SHORT_LAG_S), long=False)
 
-    def since(self) -> datetime | None:
-        return self.look().since
-
     def ran(self, started: datetime, look: Look) -> None:
         self.started = started
         if look.long:
