@@ -17,6 +17,7 @@ import pytest
 from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.postgres import postgres, postgres_url  # noqa: F401  (fixtures)
+from tests.vllm_standin import vllm  # noqa: F401  (fixture)
 
 CLIENT_KEY = "sk-test-client-key"
 ADMIN_KEY = "test-admin-key"

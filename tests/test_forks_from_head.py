@@ -7,11 +7,9 @@ one, on the line.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
-import pytest
 from sqlmodel import select
 
 from flywheel.capture.models import Turn
@@ -21,11 +19,6 @@ from tests.test_loop_versions import start, status
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for
 
-
-@pytest.fixture
-def vllm() -> Iterator[VllmStandIn]:
-    with VllmStandIn() as server:
-        yield server
 
 def test_with_fork_from_head_the_training_head_answers_the_siblings_and_the_client_the_serving_version(
         tmp_path: Path, vllm: VllmStandIn) -> None:

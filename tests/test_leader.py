@@ -9,7 +9,6 @@ vLLM server; the store is a database on the session's PostgreSQL server (``tests
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,6 @@ from tests.vllm_standin import VllmStandIn
 from tests.waiting import wait_for
 
 FOLLOW_S = 0.5  # replicas.follow_s and campaign_s: a switch or a takeover within about this
-
-
-@pytest.fixture
-def vllm() -> Iterator[VllmStandIn]:
-    with VllmStandIn() as server:
-        yield server
 
 
 def replica(tmp_path: Path, vllm: VllmStandIn, database: str, name: str) -> GatewayProcess:

@@ -34,12 +34,6 @@ from tests.waiting import wait_for
 ADMIN = {"authorization": "Bearer admin"}
 
 
-@pytest.fixture
-def vllm() -> Iterator[VllmStandIn]:
-    with VllmStandIn() as server:
-        yield server
-
-
 def fake_adapter(root: Path, name: str) -> str:
     """A directory the gateway accepts as a PEFT adapter (the stand-in never reads it)."""
     path = root / name

@@ -16,25 +16,17 @@ import signal
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from flywheel.trainer import adapters
 from tests.gateway_process import GatewayProcess
 from tests.test_loop_versions import ADMIN, admin, status
 from tests.vllm_standin import BASE, VllmStandIn
 from tests.waiting import wait_for
-
-
-@pytest.fixture
-def vllm() -> Iterator[VllmStandIn]:
-    with VllmStandIn() as server:
-        yield server
 
 
 def worker(gateway: GatewayProcess, *args: str) -> tuple[dict[str, Any], str]:

@@ -11,10 +11,12 @@ load, unload and answer in order, so tests can check what the gateway did and wh
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -81,3 +83,10 @@ class VllmStandIn(ScriptedOpenAI):
             return _error(404, f"The model `{model}` does not exist.")
         self.events.append(("answer", str(model)))
         return await self._chat(request)
+
+
+@pytest.fixture
+def vllm() -> Iterator[VllmStandIn]:
+    """A stand-in of its own for each test (registered in conftest.py)."""
+    with VllmStandIn() as server:
+        yield server
