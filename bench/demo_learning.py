@@ -3,6 +3,7 @@
     python -m bench.demo_learning                                    # recommended settings, 10 min of loop clock
     python -m bench.demo_learning --grpo '{"learning_rate": 3e-3}' --tag lr3e-3 --log runs.jsonl
     python -m bench.demo_learning --rounds 0                         # only the warm start's rates
+    python -m bench.demo_learning --without-replacement              # a group's first turns drawn without replacement
     python -m bench.demo_learning --measure-child --rounds 1         # also time a round as a fresh child process
     python -m bench.demo_learning --measure-gateway 64 --rounds 0    # CPU per episode of a real gateway + agent
 
@@ -12,7 +13,8 @@ What each round does, as the gateway's loop will (examples/demo/task.py is the t
    ``group_size`` attempts at each of ``groups_per_round`` requests from the training pool
    (the same-task groups the gateway forms), first turn then, after a well-formed call, the
    tool result and the final answer; temperature ``temperature``, plain ``generate``, exact
-   token ids and behaviour logprobs kept as the engine reports them;
+   token ids and behaviour logprobs kept as the engine reports them (``--without-replacement``: a
+   group's first turns are the four largest Gumbel-perturbed sequences, docs/learning.md);
 2. reward each episode with ``task.episode_reward`` and build the ``TrainingGroup`` s the
    gateway's capture would hand the trainer (two turns per member, exact ids, logprobs);
 3. ``flywheel.trainer.grpo.train_round`` on them, continuing from the previous round's adapter and
@@ -103,6 +105,8 @@ class Args:
     """torch CPU threads (0: torch's default)"""
     seed: int = 0
     """seeds pools, warm start, sampling and training"""
+    without_replacement: bool = False
+    """draw each group's first turns without replacement (stochastic beam search) instead of independently"""
 
 
 # What `flywheel demo` trains with, unless --grpo says otherwise (docs/demo.md: the runs that chose it).
@@ -184,6 +188,52 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_tokens: 
     return turns
 
 
+def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k: int, *, max_tokens: int,
+                               temperature: float, generator: Any) -> list[Turn]:
+    """``k`` distinct completions of ``prompt`` drawn without replacement: stochastic beam search (Kool, van
+    Hoof & Welling 2019), the ``k`` largest Gumbel-perturbed sequence log-probabilities, found beam by beam.
+
+    Each beam keeps its log-probability ``phi`` and perturbed value ``g``; a child's perturbed value is drawn
+    conditioned on its siblings' maximum being the parent's (the paper's appendix B, in its stable form).
+    No key-value cache: every step forwards the whole sequences (fine for the tiny model's short turns).
+    """
+    import torch
+
+    eos = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    beams: list[dict[str, Any]] = [{"ids": [], "logps": [], "phi": 0.0, "g": 0.0, "done": False}]
+    for _ in range(max_tokens):
+        live = [b for b in beams if not b["done"]]
+        if not live:
+            break
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + b["ids"] for b in live])).logits[:, -1].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        phi = torch.tensor([b["phi"] for b in live])[:, None] + logp
+        u = torch.rand(phi.shape, generator=generator).clamp(1e-20, 1 - 1e-7)
+        g_tilde = phi - torch.log(-torch.log(u))
+        parent_g = torch.tensor([b["g"] for b in live])[:, None]
+        z = g_tilde.max(dim=-1, keepdim=True).values
+        v = parent_g - g_tilde + torch.log1p(-torch.exp(g_tilde - z).clamp(max=1 - 1e-7))
+        g = parent_g - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
+        top = torch.topk(g, k, dim=-1)
+        children = [b for b in beams if b["done"]]
+        for row, beam in enumerate(live):
+            for value, token in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+                children.append({"ids": beam["ids"] + [token], "logps": beam["logps"] + [logp[row, token].item()],
+                                 "phi": phi[row, token].item(), "g": value, "done": token in eos})
+        beams = sorted(children, key=lambda b: b["g"], reverse=True)[:k]
+    turns = []
+    for beam in beams:
+        text = tokenizer.decode([t for t in beam["ids"] if t not in eos], skip_special_tokens=True)
+        content, calls = parse_tool_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        turns.append(Turn(prompt, beam["ids"], beam["logps"], message,
+                          truncated=not beam["done"] or len(beam["ids"]) >= max_tokens))
+    return turns
+
+
 @dataclass
 class Episodes:
     """A round's sampled episodes as training groups, and what they scored."""
@@ -195,13 +245,21 @@ class Episodes:
 
 
 def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, group_size: int, temperature: float,
-                 seed: int, tag: str) -> Episodes:
+                 seed: int, tag: str, without_replacement: bool = False) -> Episodes:
     """``group_size`` episodes of each request: first turn, then tool result and final answer after a valid call."""
+    import torch
+
     firsts = [task.first_messages(r) for r in requests]
     prompts = [render(tokenizer, m) for m in firsts]
     rows = [(i, k) for i in range(len(requests)) for k in range(group_size)]
-    turns1 = sample(model, tokenizer, [prompts[i] for i, _ in rows], max_tokens=task.FIRST_TURN_MAX_TOKENS,
-                    temperature=temperature, seed=seed)
+    if without_replacement:
+        generator = torch.Generator().manual_seed(seed)
+        turns1 = [turn for prompt in prompts for turn in sample_without_replacement(
+            model, tokenizer, prompt, group_size, max_tokens=task.FIRST_TURN_MAX_TOKENS, temperature=temperature,
+            generator=generator)]
+    else:
+        turns1 = sample(model, tokenizer, [prompts[i] for i, _ in rows], max_tokens=task.FIRST_TURN_MAX_TOKENS,
+                        temperature=temperature, seed=seed)
     called = [task.called_tool(t.message, truncated=t.truncated) for t in turns1]
     seconds: dict[int, list[dict[str, Any]]] = {}  # row -> messages of the second turn
     for j, ((i, _), turn, tool) in enumerate(zip(rows, turns1, called, strict=True)):
@@ -392,7 +450,8 @@ def main() -> None:
         requests, queue = queue[: args.groups_per_round], queue[args.groups_per_round:]
         cpu = time.process_time()
         episodes = run_episodes(policy, tokenizer, requests, group_size=args.group_size,
-                                temperature=args.temperature, seed=args.seed * 1000 + round_, tag=f"r{round_}")
+                                temperature=args.temperature, seed=args.seed * 1000 + round_, tag=f"r{round_}",
+                                without_replacement=args.without_replacement)
         sample_s, cpu = time.process_time() - cpu, time.process_time()
         result = train_round(base, episodes.groups, grpo_args, init_adapter=adapter, out_dir=run_dir / str(round_),
                              optimizer_state=adapters.optimizer_state_of(adapter))
