@@ -177,15 +177,22 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_tokens: 
         ids = tokens[row].tolist()
         end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
         ids = ids[:end] if end else ids
-        text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
-        content, calls = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        # As the agent judges it: a turn that used all its max_tokens counts as cut (examples/demo/agent.py: ask).
-        turns.append(Turn(prompt, ids, logprobs[row, :len(ids)].tolist(), message,
-                          truncated=end is None or len(ids) >= max_tokens))
+        turns.append(as_turn(tokenizer, prompt, ids, logprobs[row, :len(ids)].tolist(), ended=end is not None,
+                             max_tokens=max_tokens))
     return turns
+
+
+def as_turn(tokenizer: Any, prompt: list[int], ids: list[int], logprobs: list[float], *, ended: bool,
+            max_tokens: int) -> Turn:
+    """A sampled completion as the engine reports it: text parsed into content and tool calls."""
+    eos = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+    content, calls = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    # As the agent judges it: a turn that used all its max_tokens counts as cut (examples/demo/agent.py: ask).
+    return Turn(prompt, ids, logprobs, message, truncated=not ended or len(ids) >= max_tokens)
 
 
 def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k: int, *, max_tokens: int,
@@ -222,16 +229,7 @@ def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k:
                 children.append({"ids": beam["ids"] + [token], "logps": beam["logps"] + [logp[row, token].item()],
                                  "phi": phi[row, token].item(), "g": value, "done": token in eos})
         beams = sorted(children, key=lambda b: b["g"], reverse=True)[:k]
-    turns = []
-    for beam in beams:
-        text = tokenizer.decode([t for t in beam["ids"] if t not in eos], skip_special_tokens=True)
-        content, calls = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        turns.append(Turn(prompt, beam["ids"], beam["logps"], message,
-                          truncated=not beam["done"] or len(beam["ids"]) >= max_tokens))
-    return turns
+    return [as_turn(tokenizer, prompt, b["ids"], b["logps"], ended=b["done"], max_tokens=max_tokens) for b in beams]
 
 
 @dataclass
