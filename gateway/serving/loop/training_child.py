@@ -13,6 +13,7 @@ one whose round outlives ``train_timeout_s`` is killed, and so is every child wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -80,7 +81,7 @@ class TrainingChild:
             line, timed_out = await self._ask(child.process, request)
             reply = _reply(line)
             if reply is None:  # dead, too slow, or no reply: stopped; the next round starts a fresh child
-                await self._stop(child.process)
+                await self._stop(child.process, ended=not line and not timed_out)
                 self.running.pop(alias, None)
             returncode = (0 if reply.ok else 1) if reply is not None else \
                 (child.process.returncode if child.process.returncode is not None else -9)
@@ -116,10 +117,15 @@ class TrainingChild:
         await asyncio.gather(*(self._stop(child.process) for child in children))
 
     @staticmethod
-    async def _stop(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
-        """Terminates it (a child that ended already is only reaped), and kills it after ``grace_s``."""
+    async def _stop(process: asyncio.subprocess.Process, grace_s: float = 10.0, *, ended: bool = False) -> None:
+        """Terminates it, and kills it after ``grace_s``; one that ``ended`` (closed its stdout) gets ``grace_s``
+        to exit first, since signalling polls it and a poll that reaps before asyncio's watcher leaves the exit
+        status unknown (255)."""
         if process.stdin is not None:
             process.stdin.close()
+        if ended:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(process.wait()), grace_s)
         if process.returncode is None:
             try:
                 process.terminate()
