@@ -4,6 +4,7 @@
     python -m bench.demo_learning --grpo '{"learning_rate": 3e-3}' --tag lr3e-3 --log runs.jsonl
     python -m bench.demo_learning --rounds 0                         # only the warm start's rates
     python -m bench.demo_learning --without-replacement              # a group's first turns drawn without replacement
+    python -m bench.demo_learning --without-replacement --inclusion-weights  # ... weighted by p / q (unbiased)
     python -m bench.demo_learning --measure-child --rounds 1         # also time a round as a fresh child process
     python -m bench.demo_learning --measure-gateway 64 --rounds 0    # CPU per episode of a real gateway + agent
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -107,6 +109,8 @@ class Args:
     """seeds pools, warm start, sampling and training"""
     without_replacement: bool = False
     """draw each group's first turns without replacement (stochastic beam search) instead of independently"""
+    inclusion_weights: bool = False
+    """with --without-replacement: weight each member by p/q, its probability over its inclusion probability"""
 
 
 # What `flywheel demo` trains with, unless --grpo says otherwise (docs/demo.md: the runs that chose it).
@@ -196,18 +200,22 @@ def as_turn(tokenizer: Any, prompt: list[int], ids: list[int], logprobs: list[fl
 
 
 def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k: int, *, max_tokens: int,
-                               temperature: float, generator: Any) -> list[Turn]:
+                               temperature: float, generator: Any) -> tuple[list[Turn], list[float]]:
     """``k`` distinct completions of ``prompt`` drawn without replacement: stochastic beam search (Kool, van
-    Hoof & Welling 2019), the ``k`` largest Gumbel-perturbed sequence log-probabilities, found beam by beam.
+    Hoof & Welling 2019), the ``k`` largest Gumbel-perturbed sequence log-probabilities, found beam by beam;
+    and each one's log importance weight ``phi - log q(kappa)``.
 
     Each beam keeps its log-probability ``phi`` and perturbed value ``g``; a child's perturbed value is drawn
     conditioned on its siblings' maximum being the parent's (the paper's appendix B, in its stable form).
+    ``kappa``, the largest perturbed value left out, is the (k+1)-th largest of all sequences: a sequence is
+    in the sample with probability ``q = 1 - exp(-exp(phi - kappa))`` given it (the paper's section 4).
     No key-value cache: every step forwards the whole sequences (fine for the tiny model's short turns).
     """
     import torch
 
     eos = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     beams: list[dict[str, Any]] = [{"ids": [], "logps": [], "phi": 0.0, "g": 0.0, "done": False}]
+    kappa = float("-inf")
     for _ in range(max_tokens):
         live = [b for b in beams if not b["done"]]
         if not live:
@@ -222,14 +230,37 @@ def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k:
         z = g_tilde.max(dim=-1, keepdim=True).values
         v = parent_g - g_tilde + torch.log1p(-torch.exp(g_tilde - z).clamp(max=1 - 1e-7))
         g = parent_g - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
-        top = torch.topk(g, k, dim=-1)
+        top = torch.topk(g, k + 1, dim=-1)
+        kappa = max(kappa, top.values[:, k].max().item())  # each row's best child left out
         children = [b for b in beams if b["done"]]
         for row, beam in enumerate(live):
-            for value, token in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+            for value, token in zip(top.values[row, :k].tolist(), top.indices[row, :k].tolist(), strict=True):
                 children.append({"ids": beam["ids"] + [token], "logps": beam["logps"] + [logp[row, token].item()],
                                  "phi": phi[row, token].item(), "g": value, "done": token in eos})
-        beams = sorted(children, key=lambda b: b["g"], reverse=True)[:k]
-    return [as_turn(tokenizer, prompt, b["ids"], b["logps"], ended=b["done"], max_tokens=max_tokens) for b in beams]
+        ranked = sorted(children, key=lambda b: b["g"], reverse=True)
+        beams, left = ranked[:k], ranked[k:]
+        kappa = max([kappa] + [b["g"] for b in left])
+    turns = [as_turn(tokenizer, prompt, b["ids"], b["logps"], ended=b["done"], max_tokens=max_tokens) for b in beams]
+    return turns, [b["phi"] - _log_inclusion(b["phi"], kappa) for b in beams]
+
+
+def _log_inclusion(phi: float, kappa: float) -> float:
+    """log q = log(1 - exp(-exp(phi - kappa))), computed stably; 0 when nothing was left out."""
+    if kappa == float("-inf"):
+        return 0.0
+    x = math.exp(phi - kappa) if phi - kappa < 50 else float("inf")
+    return math.log(-math.expm1(-x)) if x > 1e-12 else phi - kappa
+
+
+def inclusion_weighted(rewards: list[float], log_weights: list[float]) -> list[float]:
+    """Rewards whose group-centred values are ``w_i (f_i - B)``: ``w`` the self-normalized importance weights
+    ``(p_i / q_i) / sum_j (p_j / q_j)`` and ``B = sum_j w_j f_j`` (Kool et al. 2019, the normalized estimator
+    with its baseline). They sum to zero, so GRPO's mean-centring leaves them as they are."""
+    top = max(log_weights)
+    w = [math.exp(lw - top) for lw in log_weights]
+    w = [x / sum(w) for x in w]
+    baseline = sum(wi * f for wi, f in zip(w, rewards, strict=True))
+    return [len(w) * wi * (f - baseline) for wi, f in zip(w, rewards, strict=True)]
 
 
 @dataclass
@@ -243,7 +274,7 @@ class Episodes:
 
 
 def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, group_size: int, temperature: float,
-                 seed: int, tag: str, without_replacement: bool = False) -> Episodes:
+                 seed: int, tag: str, without_replacement: bool = False, inclusion_weights: bool = False) -> Episodes:
     """``group_size`` episodes of each request: first turn, then tool result and final answer after a valid call."""
     import torch
 
@@ -252,9 +283,10 @@ def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, gr
     rows = [(i, k) for i in range(len(requests)) for k in range(group_size)]
     if without_replacement:
         generator = torch.Generator().manual_seed(seed)
-        turns1 = [turn for prompt in prompts for turn in sample_without_replacement(
-            model, tokenizer, prompt, group_size, max_tokens=task.FIRST_TURN_MAX_TOKENS, temperature=temperature,
-            generator=generator)]
+        drawn = [sample_without_replacement(model, tokenizer, prompt, group_size, max_tokens=task.FIRST_TURN_MAX_TOKENS,
+                                            temperature=temperature, generator=generator) for prompt in prompts]
+        turns1 = [turn for turns, _ in drawn for turn in turns]
+        log_weights = [lw for _, lws in drawn for lw in lws]
     else:
         turns1 = sample(model, tokenizer, [prompts[i] for i, _ in rows], max_tokens=task.FIRST_TURN_MAX_TOKENS,
                         temperature=temperature, seed=seed)
@@ -279,6 +311,13 @@ def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, gr
         episodes.rewards.append(reward)
         episodes.right_tool.append(called[j] == requests[i].tool)
         episodes.well_formed.append(called[j] is not None)
+    if without_replacement and inclusion_weights:
+        for i, group in enumerate(episodes.groups):
+            rows_of_group = range(i * group_size, (i + 1) * group_size)
+            weighted = inclusion_weighted([episodes.rewards[j] for j in rows_of_group],
+                                          [log_weights[j] for j in rows_of_group])
+            for member, reward in zip(group.members, weighted, strict=True):
+                member.reward = reward
     return episodes
 
 
@@ -449,7 +488,8 @@ def main() -> None:
         cpu = time.process_time()
         episodes = run_episodes(policy, tokenizer, requests, group_size=args.group_size,
                                 temperature=args.temperature, seed=args.seed * 1000 + round_, tag=f"r{round_}",
-                                without_replacement=args.without_replacement)
+                                without_replacement=args.without_replacement,
+                                inclusion_weights=args.inclusion_weights)
         sample_s, cpu = time.process_time() - cpu, time.process_time()
         result = train_round(base, episodes.groups, grpo_args, init_adapter=adapter, out_dir=run_dir / str(round_),
                              optimizer_state=adapters.optimizer_state_of(adapter))
