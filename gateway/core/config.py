@@ -202,6 +202,8 @@ class GroupsConfig(BaseModel):
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
     # "head": the siblings come from the training line's head, so a round learns from the policy it trains
     fork_from: Literal["serving", "head"] = "serving"
+    # "without_replacement": the siblings are distinct, drawn by stochastic beam search where the engine can
+    fork_draw: Literal["independent", "without_replacement"] = "independent"
     form_every_s: float = Field(default=60.0, gt=0)  # how often closed trajectories are grouped
 
     @model_validator(mode="after")

@@ -140,6 +140,7 @@ class _Sampling(_Open):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     return_token_ids: bool | None = None  # vLLM extension: exact prompt/completion token ids
     ignore_eos: bool | None = None  # vLLM extension: sample past the end-of-sequence token
+    draw_without_replacement: bool | None = None  # local engine: the n choices distinct (stochastic beam search)
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
 

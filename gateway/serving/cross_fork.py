@@ -10,6 +10,10 @@ never waits for it, and a failed one is logged and left out of the group.
   context, judged in one call: the canary's best pair (``gateway/serving/loop/abtest.py``).
 - With ``groups.fork_from = "head"`` the other siblings come from the training line's head, so the
   next round learns from samples of the policy it trains on (docs/loop.md, "Forks from the head").
+
+With ``groups.fork_draw = "without_replacement"`` those siblings are drawn without replacement (distinct
+answers, stochastic beam search) where the engine can; from the serving version too, then in a side
+request of their own (kind ``drawn``), so the client's answer stays an ordinary, streamable sample.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ class CrossFork:
     task: asyncio.Task[Body]
     served: ServedModel
     index: int
-    kind: Literal["canary", "head"]
+    kind: Literal["canary", "head", "drawn"]
 
     @classmethod
     def start(cls, to_engine: Body, served: ServedModel, index: int, n: int = 1,
-              kind: Literal["canary", "head"] = "canary") -> CrossFork:
+              kind: Literal["canary", "head", "drawn"] = "canary", without_replacement: bool = False) -> CrossFork:
         request = {k: v for k, v in to_engine.items() if k not in ("stream", "stream_options")}
+        if without_replacement and n > 1 and served.engine.draws_without_replacement:
+            request["draw_without_replacement"] = True
         served.in_flight += 1
         task = asyncio.create_task(served.engine.chat({**request, "model": served.engine_model, "n": n}))
         _RUNNING.add(task)
@@ -53,7 +59,7 @@ class CrossFork:
         served.in_flight -= 1
         _RUNNING.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("the %s's fork on %s failed (%s): its group goes without it", kind, served.engine_model,
+            log.warning("a %s fork on %s failed (%s): its group goes without it", kind, served.engine_model,
                         task.exception())
 
     def joined(self, exchange: CapturedExchange) -> CapturedExchange:

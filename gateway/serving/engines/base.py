@@ -32,6 +32,8 @@ Chunk = dict[str, Any]
 class Engine(Protocol):
     """Generates completions for a base model and the LoRA adapters loaded into it."""
 
+    draws_without_replacement: bool  # takes ``draw_without_replacement``: n distinct choices (forks' siblings)
+
     async def start(self) -> None:
         """Acquire resources (load weights, open connection pools)."""
 

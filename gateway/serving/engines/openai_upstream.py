@@ -34,6 +34,8 @@ _RELAYED_STATUSES = {400, 404, 413, 422, 429}  # the upstream's verdict on the r
 class OpenAIUpstreamEngine:
     """Forwards requests to ``config.base_url`` over one pooled HTTP client."""
 
+    draws_without_replacement = False  # vLLM has beam search, not this sampling: its siblings are independent
+
     def __init__(self, config: OpenAIEngineConfig) -> None:
         self.config = config
         self.base_url = config.base_url.rstrip("/")

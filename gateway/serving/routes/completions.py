@@ -173,8 +173,14 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
                 other = state.router.get(alias) if served is canary.served else canary.served
                 sides.append(CrossFork.start(to_engine, other, client_n + siblings))
             head = state.router.explorers.get(alias)
+            distinct = state.settings.groups.fork_draw == "without_replacement"
             if head is not None and siblings and head.version != served.version:  # samples of the policy in training
-                sides.append(CrossFork.start(to_engine, head, client_n, siblings, kind="head"))
+                sides.append(CrossFork.start(to_engine, head, client_n, siblings, kind="head",
+                                             without_replacement=distinct))
+                siblings = 0
+            elif distinct and siblings > 1 and served.engine.draws_without_replacement:
+                sides.append(CrossFork.start(to_engine, served, client_n, siblings, kind="drawn",
+                                             without_replacement=True))
                 siblings = 0
             to_engine["n"] = client_n + siblings
         if body.get("stream"):

@@ -30,6 +30,7 @@ class Sampling:
     adapter: str | None = None  # None: the base model
     hold_tool_calls: bool = False  # chat with tools: stream must not leak <tool_call> text
     ignore_eos: bool = False  # vLLM's extension: keep sampling past EOS until max_tokens
+    without_replacement: bool = False  # the n choices are distinct: stochastic beam search (beams.py)
 
 
 @dataclass

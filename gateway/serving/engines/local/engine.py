@@ -34,6 +34,8 @@ from flywheel.gateway.serving.engines.local.worker import Run, Step, Worker, cal
 class LocalEngine:
     """The :class:`flywheel.gateway.serving.engines.base.Engine` for a model loaded in this process."""
 
+    draws_without_replacement = True  # stochastic beam search (beams.py)
+
     def __init__(self, config: LocalEngineConfig, data_dir: Path, threads: int = 0) -> None:
         self.config = config
         self.data_dir = Path(data_dir)

@@ -169,6 +169,9 @@ class Preparer:
                              f"context of {context} tokens", param=key)
         stop = body.get("stop") or ()
         temperature, top_p, model = body.get("temperature"), body.get("top_p"), body.get("model")
+        without_replacement = bool(body.get("draw_without_replacement"))
+        if without_replacement and temperature == 0:
+            raise BadRequest("draw_without_replacement needs a temperature above 0", param="draw_without_replacement")
         return Sampling(
             max_tokens=max_tokens or min(self._config.default_max_tokens, limit),
             temperature=1.0 if temperature is None else float(temperature),
@@ -176,4 +179,4 @@ class Preparer:
             n=body.get("n") or 1, stop=tuple(s for s in ([stop] if isinstance(stop, str) else stop) if s),
             seed=body.get("seed"), logprobs=logprobs, top_logprobs=top_logprobs,
             adapter=model if model in adapters else None, hold_tool_calls=hold_tool_calls,
-            ignore_eos=bool(body.get("ignore_eos")))
+            ignore_eos=bool(body.get("ignore_eos")), without_replacement=without_replacement)

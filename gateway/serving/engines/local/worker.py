@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from flywheel.gateway.core.errors import OpenAIError, UpstreamError
+from flywheel.gateway.serving.engines.local.beams import replay, stochastic_beam_search
 from flywheel.gateway.serving.engines.local.decoding import Choice, Delta, Sampling, sample
 from flywheel.gateway.serving.engines.local.runtime import Runtime
 
@@ -100,6 +101,9 @@ class GenerationJob(Job):
         return generator
 
     def steps(self) -> Generator[None, None, None]:
+        if self._sampling.without_replacement:
+            yield from self._drawn_without_replacement()
+            return
         runtime, sampling = self._runtime, self._sampling
         generator = self._generator()
         choices = [Choice(i, sampling, runtime.eos_ids, runtime.vocab.detokenizer()) for i in range(sampling.n)]
@@ -123,6 +127,15 @@ class GenerationJob(Job):
                 return
             inputs = torch.tensor(picked.tokens, dtype=torch.long, device=runtime.device)[:, None]
             yield
+
+    def _drawn_without_replacement(self) -> Generator[None, None, None]:
+        """The ``n`` choices by stochastic beam search; their text is known only at the end: one step."""
+        runtime, sampling = self._runtime, self._sampling
+        beams, _ = yield from stochastic_beam_search(runtime, self._prompt, sampling, self._generator())
+        deltas: list[Delta] = []
+        for index, beam in enumerate(beams):
+            replay(beam, index, sampling, runtime, deltas)
+        self.emit(Step(self.index, deltas))
 
 
 class Worker:
