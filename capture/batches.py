@@ -24,6 +24,7 @@ class BranchTurn:
     finish_reason: str | None = None
     turn_id: str | None = None
     params: dict[str, Any] | None = None  # the request's sampling parameters (turns.params); None: OpenAI's defaults
+    inclusion_logprob: float | None = None  # drawn without replacement: log q (turns.inclusion_logprob)
 
 
 @dataclass

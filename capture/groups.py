@@ -305,4 +305,4 @@ def _training_member(member: GroupMemberRow, turns: list[Turn], rewards: dict[st
                           tools=t.tools, prompt_token_ids=t.prompt_token_ids,
                           completion_token_ids=t.completion_token_ids,
                           completion_logprobs=t.completion_logprobs, finish_reason=t.finish_reason,
-                          turn_id=t.id, params=t.params) for t in turns])
+                          turn_id=t.id, params=t.params, inclusion_logprob=t.inclusion_logprob) for t in turns])

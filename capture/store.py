@@ -72,12 +72,20 @@ def _tail_evidence_index(connection: Any) -> None:
     connection.execute(text("CREATE INDEX ix_turns_h_answer_h_replied_to ON turns (h_answer, h_replied_to)"))
 
 
+def _inclusion_logprob(connection: Any) -> None:
+    """5 -> 6: a forked sibling drawn without replacement records its inclusion probability (log q), which the
+    trainer weighs it by. Older turns keep null: they were independent samples."""
+    connection.execute(text("ALTER TABLE turns ADD COLUMN inclusion_logprob FLOAT"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
                                           3: ("linker: tail links, history edits, sub-agent parents", _tail_links),
                                           4: ("linker: the tail rule's (answer, replied-to) index",
-                                              _tail_evidence_index)}
+                                              _tail_evidence_index),
+                                          5: ("forks: inclusion probabilities of siblings drawn without replacement",
+                                              _inclusion_logprob)}
 
 
 CONFLICT_RETRY_S = 5.0  # a job's transaction (forming groups, scoring) may hold a trajectory for a second or more

@@ -151,6 +151,7 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
             "prompt_token_ids": None if redacted else (prompt_ids or choice.get("prompt_token_ids")),
             "completion_token_ids": None if redacted else completion_ids,
             "completion_logprobs": None if redacted else _sampled_logprobs(choice),
+            "inclusion_logprob": choice.get("inclusion_logprob") if forked else None,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0),
             "completion_tokens": len(completion_ids) if completion_ids else single_choice_tokens,
             "h_ctx": h_ctx,

@@ -56,6 +56,9 @@ async def test_choices_are_distinct_where_independent_ones_repeat(engine: LocalE
     drawn = [await engine.chat({**body, "seed": s, "draw_without_replacement": True}) for s in range(8)]
     assert sum(len(set(ids)) < 4 for ids in independent) >= 6  # the control: this cold, independent ones repeat
     assert all(len(set(ids_of(r))) == 4 for r in drawn)
+    # Each drawn choice says how likely it was to be among the drawn (log q <= 0); independent ones say nothing.
+    assert all(c["inclusion_logprob"] <= 0 for r in drawn for c in r["choices"])
+    assert "inclusion_logprob" not in (await engine.chat({**body, "seed": 0}))["choices"][0]
     # Each choice reports its tokens' log_softmax(logits / T), as an independent forward pass computes them.
     model = AutoModelForCausalLM.from_pretrained(root / "models" / "tiny").eval()
     response = drawn[0]
@@ -157,4 +160,8 @@ fork_draw = "without_replacement"
         siblings = [tuple(t.completion_token_ids or ()) for t in turns
                     if t.completion_id == completion and t.source == "fork"]
         assert len(siblings) == 3 and len(set(siblings)) == 3, (completion, siblings)
-        assert [t.choice_index for t in turns if t.completion_id == completion and t.source == "client"] == [0]
+        client = [t for t in turns if t.completion_id == completion and t.source == "client"]
+        assert [t.choice_index for t in client] == [0] and client[0].inclusion_logprob is None
+        # each sibling keeps log q for the trainer's weights (trainer/samples.py: centred_rewards)
+        assert all(t.inclusion_logprob is not None and t.inclusion_logprob <= 0 for t in turns
+                   if t.completion_id == completion and t.source == "fork")

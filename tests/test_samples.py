@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
-from flywheel.trainer.samples import ADVANTAGE_EPS, build_samples, group_advantages, offpolicy_params
+from flywheel.trainer.sample_plan import plan_groups
+from flywheel.trainer.samples import (
+    ADVANTAGE_EPS,
+    build_samples,
+    centred_rewards,
+    group_advantages,
+    offpolicy_params,
+)
 from tests.conftest import WEATHER_ANSWER, WEATHER_QUESTION, WEATHER_TOOL, weather_followup
 
 CALL_ARGS = '{"city": "Paris"}'
@@ -201,6 +208,42 @@ def test_advantages_per_scale(tokenizer: Any) -> None:
     for scale, expected in (("group", group), ("batch", batch)):
         samples = build_samples(groups, tokenizer, advantage_scale=scale, **LIMITS).samples
         assert [s.advantage for s in samples] == pytest.approx([a for adv in expected for a in adv])
+
+
+def test_members_drawn_without_replacement_are_weighted_by_p_over_q(tokenizer: Any) -> None:
+    """The self-normalized estimator for a sample without replacement: w = (p/q) / sum(p/q), B = sum w r."""
+    import math
+
+    rewards, log_weights = [1.0, 0.0, 0.0, 0.0], [-3.0, -0.5, -1.2, -2.5]
+    w = [math.exp(lw) / sum(math.exp(x) for x in log_weights) for lw in log_weights]
+    baseline = sum(wi * r for wi, r in zip(w, rewards, strict=True))
+    centred = centred_rewards(rewards, [*log_weights])
+    assert centred == pytest.approx([4 * wi * (r - baseline) for wi, r in zip(w, rewards, strict=True)])
+    assert sum(centred) == pytest.approx(0.0)  # all drawn: the weighted deviations cancel
+    assert centred[0] < 0.75  # the rare right answer counts for less than an equal share would give it
+    # Equal weights give the plain mean; the client's independent answer is centred on the drawn ones' baseline.
+    assert centred_rewards(rewards, [-1.0] * 4) == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    mixed = centred_rewards([0.5, 1.0, 0.0, 0.0], [None, -1.0, -1.0, -1.0])
+    assert mixed == pytest.approx([0.5 - 1 / 3, 3 * (1 / 3) * (1 - 1 / 3), -1 / 3, -1 / 3])
+    assert centred_rewards(rewards, [None, -1.0, None, None]) == centred_rewards(rewards)  # one drawn: no draw
+
+    # Through build_samples: a fork group whose siblings recorded log q; its advantages are ours, not TRL's.
+    def sibling(answer: str, log_q: float | None) -> list[BranchTurn]:
+        turns = single_turn(tokenizer, answer)
+        turns[0].inclusion_logprob = log_q
+        return turns
+
+    drawn = group_of([(sibling("A0.", None), 1.0), (sibling("A1.", -0.1), 0.0), (sibling("A2.", -2.0), 1.0),
+                      (sibling("A3.", -4.0), 0.0)], "fork")
+    plain = group_of([(single_turn(tokenizer, f"B{i}."), r) for i, r in enumerate([1.0, 0.0, 0.0, 0.0])], "plain")
+    batch = build_samples([drawn, plain], tokenizer, **LIMITS)
+    assert batch.weighted == {"fork"}
+    turns = [m.turns[0] for m in drawn.members]
+    logs = [None, *(sum(t.completion_logprobs or []) - (t.inclusion_logprob or 0.0) for t in turns[1:])]
+    expected = centred_rewards([1.0, 0.0, 1.0, 0.0], logs)
+    std = math.sqrt(sum((c - sum(expected) / 4) ** 2 for c in expected) / 3)
+    assert [s.advantage for s in batch.samples[:4]] == pytest.approx([c / (std + ADVANTAGE_EPS) for c in expected])
+    assert plan_groups(batch).native == [False, True]  # TRL cannot see the weights: not compared with its own
 
 
 # --------------------------------------------------------------------------- sampling parameters

@@ -88,6 +88,7 @@ ADDED_BY: dict[int, dict[str, Any]] = {
     3: {"tables": {"eval_metrics"}},
     4: {"columns": {"turns": {"h_answer", "h_replied_to", "link_rule", "parent_message_index", "history_edits"},
                     "trajectories": {"parent_trajectory_id"}}},
+    6: {"columns": {"turns": {"inclusion_logprob"}}},
 }
 
 

@@ -49,7 +49,7 @@ def plan_groups(batch: SampleBatch, *, group_size: int | None = None, policy: st
         members = len({batch.samples[i].member_index for i in indices})
         if len(indices) == group_size:
             plan.slots.append(indices)
-            plan.native.append(members == len(indices))
+            plan.native.append(members == len(indices) and group_id not in batch.weighted)
         elif len(indices) > group_size and policy == "trim":
             keep = sorted(random.Random(f"{seed}:{group_id}").sample(indices, group_size))
             plan.slots.append(keep)

@@ -62,6 +62,16 @@ counted (``zero_variance``), as are groups with fewer than ``min_group_size`` me
 (``too_small``) and members that could not be turned into a sequence (``template_mismatch``,
 ``empty``, ``too_long``). ``SampleBatch.skip_counts()`` sums them up by reason.
 
+**Members drawn without replacement** (a forked turn's siblings with ``[groups] fork_draw``; their
+turn records ``inclusion_logprob``, log q) are not independent samples, so the group's mean is not
+their baseline. Each gets the self-normalized weight ``w_i = (p_i / q_i) / sum_j (p_j / q_j)`` over
+the drawn members (p from its sampled logprobs), the baseline is ``B = sum_j w_j r_j``, and a drawn
+member's centred reward is ``k w_i (r_i - B)`` (k drawn members: equal weights give back ``r_i - B``);
+an independent member in the same group (the client's answer) gets ``r_i - B``, a baseline made of
+other samples. Stochastic beam search, Kool, van Hoof & Welling 2019, section 4. The ``group`` scale
+then divides by the std of the centred rewards (the std of the rewards, for a group drawn
+independently). TRL cannot see such weights: these groups are not compared with its advantages.
+
 Nothing here imports torch: the module is pure Python over token id lists.
 """
 
@@ -133,6 +143,7 @@ class SampleBatch:
     groups_in: int
     members_in: int
     sources: dict[str, str] = field(default_factory=dict)  # group_id -> source (explicit, task, fork, ...)
+    weighted: set[str] = field(default_factory=set)  # groups with members drawn without replacement
 
     def skip_counts(self) -> dict[str, dict[str, int]]:
         """``{reason: {"groups": n, "members": m}}``; ``groups`` counts whole groups skipped."""
@@ -150,6 +161,7 @@ class SampleBatch:
             "samples/groups_in": self.groups_in,
             "samples/members_in": self.members_in,
             "samples/groups": len(self.group_ids),
+            "samples/groups_weighted": len(self.weighted),  # with members drawn without replacement
             "samples/sequences": len(self.samples),
             "samples/retokenized": sum(s.retokenized for s in self.samples),
             "samples/split": sum(s.part > 0 for s in self.samples),
@@ -199,23 +211,51 @@ def is_zero_variance(rewards: list[float]) -> bool:
     return max(rewards) - min(rewards) < ZERO_VARIANCE_TOL
 
 
-def group_advantages(group_rewards: list[list[float]], scale: AdvantageScale = "group") -> list[list[float]]:
+def drawn_log_weight(member: GroupMember) -> float | None:
+    """log(p / q) of a member drawn without replacement (its last turn, the drawn one); None for one drawn
+    independently, or whose sampled logprobs are unknown."""
+    turn = member.turns[-1] if member.turns else None
+    if turn is None or turn.inclusion_logprob is None or not turn.completion_logprobs \
+            or any(lp is None for lp in turn.completion_logprobs):
+        return None
+    return sum(turn.completion_logprobs) - turn.inclusion_logprob
+
+
+def centred_rewards(rewards: list[float], log_weights: list[float | None] | None = None) -> list[float]:
+    """``r - baseline`` for each member: the group's mean, or, with two or more members drawn without
+    replacement (``log_weights[i]`` = log(p_i / q_i); None: drawn independently), the weighted baseline
+    and ``k w_i (r_i - B)`` for the drawn ones (module docstring)."""
+    drawn = [i for i, lw in enumerate(log_weights or []) if lw is not None]
+    if len(drawn) < 2:
+        baseline = _mean(rewards)
+        return [r - baseline for r in rewards]
+    assert log_weights is not None
+    top = max(float(log_weights[i] or 0.0) for i in drawn)
+    unnormalized = {i: math.exp(float(log_weights[i] or 0.0) - top) for i in drawn}
+    w = {i: x / sum(unnormalized.values()) for i, x in unnormalized.items()}
+    baseline = sum(w[i] * rewards[i] for i in drawn)
+    return [len(drawn) * w[i] * (r - baseline) if i in w else r - baseline for i, r in enumerate(rewards)]
+
+
+def group_advantages(group_rewards: list[list[float]], scale: AdvantageScale = "group",
+                     group_log_weights: list[list[float | None]] | None = None) -> list[list[float]]:
     """GRPO's group-relative advantages, one list per group: the reference TRL's numbers are tested against.
 
-    1. baseline: the mean reward of the group;
-    2. scale: the group's std (``group``), the std of all rewards given (``batch``), or none;
-    3. ``A = (r - mean) / (std + 1e-4)`` (or ``r - mean`` for ``none``).
+    1. baseline: the mean reward of the group (members drawn without replacement: ``centred_rewards``);
+    2. scale: the std of the group's centred rewards (``group``), the std of all rewards given (``batch``),
+       or none;
+    3. ``A = (r - baseline) / (std + 1e-4)`` (or ``r - baseline`` for ``none``).
     """
     assert scale in ("group", "batch", "none"), scale
     batch_std = _std([r for rewards in group_rewards for r in rewards])
     out = []
-    for rewards in group_rewards:
-        baseline = _mean(rewards)
+    for g, rewards in enumerate(group_rewards):
+        centred = centred_rewards(rewards, group_log_weights[g] if group_log_weights else None)
         if scale == "none":
-            out.append([r - baseline for r in rewards])
+            out.append(centred)
             continue
-        std = _std(rewards) if scale == "group" else batch_std
-        out.append([(r - baseline) / (std + ADVANTAGE_EPS) for r in rewards])
+        std = _std(centred) if scale == "group" else batch_std
+        out.append([c / (std + ADVANTAGE_EPS) for c in centred])
     return out
 
 
@@ -409,7 +449,9 @@ def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tok
             continue
         kept.append((group, members))
 
-    advantages = group_advantages([[m.reward for _, m, _ in members] for _, members in kept], advantage_scale)
+    log_weights = [[drawn_log_weight(m) for _, m, _ in members] for _, members in kept]
+    advantages = group_advantages([[m.reward for _, m, _ in members] for _, members in kept], advantage_scale,
+                                  log_weights)
     samples = []
     for (group, members), group_adv in zip(kept, advantages, strict=True):
         for (index, member, seqs), advantage in zip(members, group_adv, strict=True):
@@ -424,5 +466,7 @@ def build_samples(groups: list[TrainingGroup], tokenizer: Any, *, max_prompt_tok
     return SampleBatch(samples=samples, group_ids=[g.group_id for g, _ in kept], skipped=skipped,
                        advantage_scale=advantage_scale, groups_in=len(groups),
                        members_in=sum(len(g.members) for g in groups),
-                       sources={g.group_id: g.source for g, _ in kept})
+                       sources={g.group_id: g.source for g, _ in kept},
+                       weighted={g.group_id for (g, _), lws in zip(kept, log_weights, strict=True)
+                                 if sum(lw is not None for lw in lws) >= 2})
 

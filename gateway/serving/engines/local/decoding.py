@@ -50,6 +50,7 @@ class Delta:
     tokens: list[Token]
     finish_reason: str | None = None
     full_text: str | None = None  # the whole completion text, on the final delta
+    inclusion_logprob: float | None = None  # drawn without replacement: log q, on the final delta (beams.py)
 
 
 class Choice:

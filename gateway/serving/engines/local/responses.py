@@ -25,6 +25,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     tokens: list[Token] = field(default_factory=list)
     finish_reason: str = "stop"
+    inclusion_logprob: float | None = None
 
     def add(self, delta: Delta) -> None:
         self.tokens.extend(delta.tokens)
@@ -32,6 +33,7 @@ class Result:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.text = delta.full_text or ""
+            self.inclusion_logprob = delta.inclusion_logprob
 
 
 def _logprob(value: float | None) -> float:
@@ -89,6 +91,8 @@ def chat_response(request: PreparedRequest, results: list[Result], model: Any, v
             "finish_reason": "tool_calls" if calls else result.finish_reason}
         if request.return_token_ids:
             choice["token_ids"] = result.token_ids
+        if result.inclusion_logprob is not None:  # drawn without replacement: log q given the draw's threshold
+            choice["inclusion_logprob"] = result.inclusion_logprob
         choices.append(choice)
     response: Body = {**head("chat.completion", model), "choices": choices,
                       "usage": usage(len(request.prompts[0]), sum(len(r.token_ids) for r in results))}
@@ -108,6 +112,8 @@ def completion_response(request: PreparedRequest, results: list[Result], model: 
         if request.return_token_ids:
             choice["prompt_token_ids"] = request.prompts[index // n]
             choice["token_ids"] = result.token_ids
+        if result.inclusion_logprob is not None:
+            choice["inclusion_logprob"] = result.inclusion_logprob
         choices.append(choice)
     prompt_tokens = sum(len(p) for p in request.prompts)
     return {**head("text_completion", model), "choices": choices,

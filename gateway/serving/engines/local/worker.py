@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from flywheel.gateway.core.errors import OpenAIError, UpstreamError
-from flywheel.gateway.serving.engines.local.beams import replay, stochastic_beam_search
+from flywheel.gateway.serving.engines.local.beams import log_inclusion, replay, stochastic_beam_search
 from flywheel.gateway.serving.engines.local.decoding import Choice, Delta, Sampling, sample
 from flywheel.gateway.serving.engines.local.runtime import Runtime
 
@@ -131,10 +131,11 @@ class GenerationJob(Job):
     def _drawn_without_replacement(self) -> Generator[None, None, None]:
         """The ``n`` choices by stochastic beam search; their text is known only at the end: one step."""
         runtime, sampling = self._runtime, self._sampling
-        beams, _ = yield from stochastic_beam_search(runtime, self._prompt, sampling, self._generator())
+        beams, kappa = yield from stochastic_beam_search(runtime, self._prompt, sampling, self._generator())
         deltas: list[Delta] = []
         for index, beam in enumerate(beams):
             replay(beam, index, sampling, runtime, deltas)
+            deltas[-1].inclusion_logprob = log_inclusion(beam.phi, kappa)
         self.emit(Step(self.index, deltas))
 
 
