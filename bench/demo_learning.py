@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import resource
@@ -54,7 +53,9 @@ from examples.demo import task
 from flywheel.capture.batches import BranchTurn, GroupMember, TrainingGroup
 from flywheel.gateway.cli.demo import small_model_train_args
 from flywheel.gateway.core.processes import NotAnswering, free_port, wait_until_answering
+from flywheel.gateway.serving.engines.local.beams import log_inclusion, perturbed_children
 from flywheel.gateway.serving.engines.local.toolcalls import parse_tool_calls
+from flywheel.trainer.samples import centred_rewards
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS_MIN = (2.0, 5.0, 8.0)  # loop-clock minutes at which the summary reads the curve
@@ -202,8 +203,9 @@ def as_turn(tokenizer: Any, prompt: list[int], ids: list[int], logprobs: list[fl
 def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k: int, *, max_tokens: int,
                                temperature: float, generator: Any) -> tuple[list[Turn], list[float]]:
     """``k`` distinct completions of ``prompt`` drawn without replacement: stochastic beam search (Kool, van
-    Hoof & Welling 2019), the ``k`` largest Gumbel-perturbed sequence log-probabilities, found beam by beam;
-    and each one's log importance weight ``phi - log q(kappa)``.
+    Hoof & Welling 2019), the ``k`` largest Gumbel-perturbed sequence log-probabilities, found beam by beam
+    with the engine's math (``beams.perturbed_children``, ``beams.log_inclusion``); and each one's log
+    importance weight ``phi - log q(kappa)``, which ``trainer.samples.centred_rewards`` weighs by.
 
     Each beam keeps its log-probability ``phi`` and perturbed value ``g``; a child's perturbed value is drawn
     conditioned on its siblings' maximum being the parent's (the paper's appendix B, in its stable form).
@@ -224,12 +226,7 @@ def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k:
             logits = model(input_ids=torch.tensor([prompt + b["ids"] for b in live])).logits[:, -1].float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
         phi = torch.tensor([b["phi"] for b in live])[:, None] + logp
-        u = torch.rand(phi.shape, generator=generator).clamp(1e-20, 1 - 1e-7)
-        g_tilde = phi - torch.log(-torch.log(u))
-        parent_g = torch.tensor([b["g"] for b in live])[:, None]
-        z = g_tilde.max(dim=-1, keepdim=True).values
-        v = parent_g - g_tilde + torch.log1p(-torch.exp(g_tilde - z).clamp(max=1 - 1e-7))
-        g = parent_g - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
+        g = perturbed_children(torch.tensor([b["g"] for b in live])[:, None], phi, generator)
         top = torch.topk(g, k + 1, dim=-1)
         kappa = max(kappa, top.values[:, k].max().item())  # each row's best child left out
         children = [b for b in beams if b["done"]]
@@ -241,26 +238,7 @@ def sample_without_replacement(model: Any, tokenizer: Any, prompt: list[int], k:
         beams, left = ranked[:k], ranked[k:]
         kappa = max([kappa] + [b["g"] for b in left])
     turns = [as_turn(tokenizer, prompt, b["ids"], b["logps"], ended=b["done"], max_tokens=max_tokens) for b in beams]
-    return turns, [b["phi"] - _log_inclusion(b["phi"], kappa) for b in beams]
-
-
-def _log_inclusion(phi: float, kappa: float) -> float:
-    """log q = log(1 - exp(-exp(phi - kappa))), computed stably; 0 when nothing was left out."""
-    if kappa == float("-inf"):
-        return 0.0
-    x = math.exp(phi - kappa) if phi - kappa < 50 else float("inf")
-    return math.log(-math.expm1(-x)) if x > 1e-12 else phi - kappa
-
-
-def inclusion_weighted(rewards: list[float], log_weights: list[float]) -> list[float]:
-    """Rewards whose group-centred values are ``w_i (f_i - B)``: ``w`` the self-normalized importance weights
-    ``(p_i / q_i) / sum_j (p_j / q_j)`` and ``B = sum_j w_j f_j`` (Kool et al. 2019, the normalized estimator
-    with its baseline). They sum to zero, so GRPO's mean-centring leaves them as they are."""
-    top = max(log_weights)
-    w = [math.exp(lw - top) for lw in log_weights]
-    w = [x / sum(w) for x in w]
-    baseline = sum(wi * f for wi, f in zip(w, rewards, strict=True))
-    return [len(w) * wi * (f - baseline) for wi, f in zip(w, rewards, strict=True)]
+    return turns, [b["phi"] - log_inclusion(b["phi"], kappa) for b in beams]
 
 
 @dataclass
@@ -314,8 +292,8 @@ def run_episodes(model: Any, tokenizer: Any, requests: list[task.Request], *, gr
     if without_replacement and inclusion_weights:
         for i, group in enumerate(episodes.groups):
             rows_of_group = range(i * group_size, (i + 1) * group_size)
-            weighted = inclusion_weighted([episodes.rewards[j] for j in rows_of_group],
-                                          [log_weights[j] for j in rows_of_group])
+            weighted = centred_rewards([episodes.rewards[j] for j in rows_of_group],
+                                       [log_weights[j] for j in rows_of_group])
             for member, reward in zip(group.members, weighted, strict=True):
                 member.reward = reward
     return episodes
