@@ -15,7 +15,8 @@ Policies (``[rewards] policy`` in config):
 - ``weighted``: ``(judge_weight * judge + feedback_weight * feedback) / (judge_weight + feedback_weight)``
   when both exist; when only one exists, that one (the weights renormalise to it).
 
-Sources in :class:`FinalReward` are ``"ruler"``, ``"feedback"`` or ``"weighted"``.
+Sources in :class:`FinalReward` are ``"ruler"`` (or ``"hook"``, where the task's reward hook took the
+judge's place: ``[judge] reward_hook``), ``"feedback"`` or ``"weighted"``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from flywheel.capture.trajectory import TrajectoryGroup
 LABEL_REWARDS: dict[str, float] = {"good": 1.0, "bad": 0.0}  # what a label means as a reward
 
 PolicyName = Literal["feedback_overrides", "judge_only", "weighted"]
-RewardSource = Literal["ruler", "feedback", "weighted"]
+RewardSource = Literal["ruler", "hook", "feedback", "weighted"]
+ScorerName = Literal["ruler", "hook"]
 
 
 class InvalidFeedbackError(ValueError):
@@ -83,19 +85,20 @@ def feedback_reward(reward: float | None = None, label: str | None = None) -> fl
 
 
 def combine_rewards(judge_score: float | None, feedback: float | None,
-                    policy: RewardPolicy | None = None) -> FinalReward | None:
+                    policy: RewardPolicy | None = None, scorer: ScorerName = "ruler") -> FinalReward | None:
     """The final reward from a judge score and a feedback reward (either may be missing).
 
     ``None`` when the policy finds nothing to use (no judge score under ``judge_only``,
-    nothing at all otherwise): the trajectory stays unscored and the trainer skips it.
+    nothing at all otherwise): the trajectory stays unscored and the trainer skips it. ``scorer`` names
+    what gave ``judge_score``: RULER or the task's reward hook.
     """
     policy = policy or RewardPolicy()
     if policy.policy == "judge_only":
-        return FinalReward(judge_score, "ruler") if judge_score is not None else None
+        return FinalReward(judge_score, scorer) if judge_score is not None else None
     if policy.policy == "feedback_overrides":
         if feedback is not None:
             return FinalReward(feedback, "feedback")
-        return FinalReward(judge_score, "ruler") if judge_score is not None else None
+        return FinalReward(judge_score, scorer) if judge_score is not None else None
     # weighted
     if judge_score is not None and feedback is not None:
         total = policy.judge_weight + policy.feedback_weight
@@ -104,7 +107,7 @@ def combine_rewards(judge_score: float | None, feedback: float | None,
     if feedback is not None:
         return FinalReward(feedback, "feedback")
     if judge_score is not None:
-        return FinalReward(judge_score, "ruler")
+        return FinalReward(judge_score, scorer)
     return None
 
 
@@ -113,18 +116,21 @@ def apply_rewards(group: TrajectoryGroup, feedback_by_trajectory: Mapping[str, f
     """A copy of ``group`` with each trajectory's final reward set (the input is left untouched).
 
     The judge score is read from ``metrics["ruler_score"]`` (set by
-    :func:`~flywheel.judge.ruler.ruler_score_group`; absent when the group was not judged), the
+    :func:`~flywheel.judge.ruler.ruler_score_group`) or ``metrics["hook_score"]`` (the task's reward
+    hook; absent when the group was not judged), the
     feedback from ``feedback_by_trajectory[trajectory.id]`` (already one value per
     trajectory, e.g. the latest via :func:`feedback_reward`). Each trajectory gets
-    ``metadata["reward_source"]``: ``"ruler"``, ``"feedback"``, ``"weighted"``, or ``None``
+    ``metadata["reward_source"]``: ``"ruler"``, ``"hook"``, ``"feedback"``, ``"weighted"``, or ``None``
     when nothing applied; then its reward is left as it was and a trainer must skip it.
     """
     trajectories = []
     for trajectory in group.trajectories:
         copy = trajectory.model_copy(deep=True)
-        judge_score = trajectory.metrics.get("ruler_score")
+        hook_score = trajectory.metrics.get("hook_score")
+        judge_score = trajectory.metrics.get("ruler_score") if hook_score is None else hook_score
         feedback = feedback_by_trajectory.get(trajectory.id) if trajectory.id else None
-        final = combine_rewards(float(judge_score) if judge_score is not None else None, feedback, policy)
+        final = combine_rewards(float(judge_score) if judge_score is not None else None, feedback, policy,
+                                "ruler" if hook_score is None else "hook")
         if feedback is not None:
             copy.metrics["feedback_reward"] = feedback
         if final is not None:

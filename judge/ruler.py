@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
 from flywheel.judge import rubric as prompts
@@ -158,6 +158,15 @@ class JudgeConfig(BaseModel):
     swallow_exceptions: bool = True  # a failed group stays unscored instead of stopping the job
     extra_litellm_params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reasoning_effort": "low"}
     rubrics: RubricConfig = Field(default_factory=RubricConfig)
+    # "module:function" or an http(s) URL: each member's last answer scored by the task's own check, not RULER
+    reward_hook: str | None = None
+
+    @field_validator("reward_hook")
+    @classmethod
+    def _hook_named(cls, target: str | None) -> str | None:
+        if target is not None and not target.startswith(("http://", "https://")) and ":" not in target:
+            raise ValueError(f"judge.reward_hook {target!r}: expected module:function or an http(s) URL")
+        return target
 
     def call_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`ruler` / :func:`ruler_score_group` (model and rubric aside)."""

@@ -1,12 +1,17 @@
-"""The scoring job: every closed, unscored group gets RULER scores and final rewards.
+"""The scoring job: every closed, unscored group gets judge scores and final rewards.
 
 For each group (in parallel up to ``max_concurrency`` judge calls): its members become
 trajectories (one branch each), RULER scores them relative to each other (cached in the
-store), the latest client feedback of each member is combined with the judge's score
-under the reward policy, and one ``scores`` row with ``source = "reward"`` per member
-records the final reward the trainer uses (``explanation`` starts with where it came
-from). The group's status becomes ``scored``. A group whose judge call fails after its
-retries stays ``closed`` and is tried again by the next run.
+store) — or, with ``[judge] reward_hook``, the task's own check scores each member's last
+answer (one ``source = "hook"`` row per member) — the latest client feedback of each member is
+combined with that score under the reward policy, and one ``scores`` row with ``source =
+"reward"`` per member records the final reward the trainer uses (``explanation`` starts with
+where it came from). The group's status becomes ``scored``. A group whose judge or hook call
+fails after its retries stays ``closed`` and is tried again by the next run.
+
+A fork group's members are turns, not conversations: they are scored by the judge or hook
+alone. A conversation's feedback rewards the whole conversation (its task group, the canary),
+and the siblings, which no client saw, could never have any.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flywheel.capture.store import bulk_insert
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
 from flywheel.capture.turns import new_id
 from flywheel.judge.cache import JudgeCache
+from flywheel.judge.hook import RewardHook, RewardHookError, load_reward_hook, split_answer
 from flywheel.judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
 from flywheel.judge.rubric import PROMPT_VERSION, resolve_rubric, rubric_hash
 from flywheel.judge.ruler import JudgeConfig, group_cache_key, ruler_score_group
@@ -105,19 +111,62 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
             trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,
                                            id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id))
         ids = {m.trajectory_id for m in members_of[group.id]}
+        if group.source == "fork":
+            ids = set()  # a conversation's feedback is not its forked turn's reward (module docstring)
         out[group.id] = (TrajectoryGroup(trajectories=trajectories, id=group.id),
                          {tid: reward for tid, reward in feedback.items() if tid in ids}, task)
     return out
 
 
+async def hook_score_group(group: TrajectoryGroup, hook: RewardHook, semaphore: asyncio.Semaphore,
+                           retries: int = 0) -> TrajectoryGroup | None:
+    """A copy of ``group`` with each member's last answer scored by the reward hook (``metrics["hook_score"]``),
+    or None when the hook failed (after ``retries`` more tries) or a member has no answer."""
+    async def one(trajectory: Trajectory) -> float | None:
+        parts = split_answer(trajectory.messages())
+        if parts is None:
+            return None
+        for attempt in range(retries + 1):
+            try:
+                async with semaphore:
+                    return await hook(parts[0], trajectory.tools, parts[1])
+            except RewardHookError as exc:
+                if attempt == retries:
+                    log.warning("group %s: %s", group.id, exc)
+        return None
+
+    scores = await asyncio.gather(*(one(t) for t in group.trajectories))
+    if any(score is None for score in scores):
+        return None
+    trajectories = []
+    for trajectory, score in zip(group.trajectories, scores, strict=True):
+        copy = trajectory.model_copy(deep=True)
+        copy.reward, copy.metrics["hook_score"] = float(score or 0.0), float(score or 0.0)
+        trajectories.append(copy)
+    return TrajectoryGroup(trajectories=trajectories, id=group.id, metadata=dict(group.metadata))
+
+
+def hook_rows(group_id: str, group: TrajectoryGroup) -> list[dict[str, Any]]:
+    """The hook's own score of each member (``source = "hook"``): what the canary pairs for a fork group."""
+    return [Score(id=new_id("score"), trajectory_id=t.id, group_id=group_id, source="hook",
+                  value=float(t.metrics["hook_score"]), explanation="reward hook", prompt_version=PROMPT_VERSION)
+            .model_dump() for t in group.trajectories if t.id is not None]
+
+
 async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig, policy: RewardPolicy,
-                      semaphore: asyncio.Semaphore, cache: JudgeCache) -> list[dict[str, Any]] | None:
-    """Judge one group (read by ``groups_for_judge``): its final reward rows, or None when the judge failed."""
+                      semaphore: asyncio.Semaphore, cache: JudgeCache,
+                      hook: RewardHook | None = None) -> list[dict[str, Any]] | None:
+    """Judge one group (read by ``groups_for_judge``): its score rows, or None when the judge or hook failed."""
     trajectories, feedback, task = judge_input
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
     scored: TrajectoryGroup | None = None
-    if config.enabled:
+    if hook is not None:
+        scored, judge_model = await hook_score_group(trajectories, hook, semaphore, config.max_retries), None
+        if scored is not None:
+            return hook_rows(group.id, scored) + reward_rows(group.id, apply_rewards(scored, feedback, policy),
+                                                             None, rubric_hash(rubric))
+    elif config.enabled:
         scored = await ruler_score_group(trajectories, config.model, rubric=rubric, swallow_exceptions=True,
                                          cache=cache, semaphore=semaphore, **config.call_kwargs())
     if scored is None and feedback_decides(policy, trajectories, feedback):
@@ -176,13 +225,21 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     summary = ScoringSummary(groups=len(groups))
     semaphore = asyncio.Semaphore(config.max_concurrency)
     cache = JudgeCache(engine, deferred=True)
-    if config.enabled:  # every group's stored answer in one read, not one read per group
+    hook: RewardHook | None = None
+    if config.enabled and config.reward_hook:
+        try:
+            hook = load_reward_hook(config.reward_hook, config.timeout_s)
+        except RewardHookError as exc:
+            log.error("scoring: %s; %d groups stay closed", exc, len(groups))
+            summary.failed, summary.failed_group_ids = len(groups), [g.id for g in groups]
+            return summary
+    elif config.enabled:  # every group's stored answer in one read, not one read per group
         await asyncio.to_thread(cache.prefetch, [judge_cache_key(g, inputs[g.id], config) for g in groups])
 
     judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
 
     async def one(group: Group) -> None:
-        rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache)
+        rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache, hook)
         ok = rows is not None
         if rows is not None:
             judged.append((group.id, rows))

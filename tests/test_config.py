@@ -103,6 +103,7 @@ def test_the_small_model_configuration_names_no_task() -> None:
     ("port = 'abc'\n", "invalid configuration: port"),
     ("this is not toml", "invalid configuration"),
     ("unknown_key = 1\n", "unknown_key"),
+    ('[judge]\nreward_hook = "no_colon"\n', "judge.reward_hook 'no_colon': expected module:function"),
 ])
 def test_cli_reports_bad_config_in_one_line(tmp_path: Path, content: str, expected: str) -> None:
     config = tmp_path / "bad.toml"

@@ -38,7 +38,8 @@ def servers() -> Iterator[tuple[ScriptedOpenAI, ScriptedJudge]]:
         yield upstream, judge
 
 
-def start(tmp: Path, upstream: ScriptedOpenAI, judge: ScriptedJudge, extra: str = "") -> GatewayProcess:
+def start(tmp: Path, upstream: ScriptedOpenAI, judge: ScriptedJudge, extra: str = "",
+          judge_line: str = "") -> GatewayProcess:
     return GatewayProcess(tmp, f"""
 [engines.up]
 base_url = "{upstream.base_url}"
@@ -47,7 +48,7 @@ engine = "up"
 base_model = "scripted"
 [auth]
 admin_key = "admin"
-{judge.config_toml}[groups]
+{judge.config_toml}{judge_line}[groups]
 form_every_s = 3600
 [loop.gate]
 holdout_fraction = 0.0  # every conversation must form its group
@@ -90,6 +91,35 @@ def test_forked_turn_becomes_a_scored_single_turn_group(tmp_path: Path,
         stored_keys = set(session.exec(select(Score.cache_key).where(Score.source == "ruler")))
     config = load_settings([gateway.config_file]).judge
     assert stored_keys == {judge_cache_key(group, groups_for_judge(store.engine, [group])[group.id], config)}
+
+
+def test_a_reward_hook_scores_a_forked_turn_and_feedback_stays_with_the_conversation(
+        tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    from tests.variety_task import variety
+
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge, judge_line='reward_hook = "tests.variety_task:reward"\n')
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "say something"}],
+                                           extra_headers={"X-Flywheel-Fork": "2"})
+    feedback = httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": reply.id, "reward": 1.0})
+    assert feedback.status_code == 200, feedback.text
+    client_trajectory = feedback.json()["trajectory_id"]
+    formed = httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]
+    assert [(g["source"], g["size"]) for g in formed] == [("fork", 3)]
+    summary = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
+    assert (summary["scored"], summary["failed"]) == (1, 0)
+    assert judge.requests == []  # the hook took the judge's place
+    store = read_store(gateway)
+    with store.session() as session:
+        batch = training_group(session, session.exec(select(Group)).one())
+        hook_rows = list(session.exec(select(Score).where(Score.source == "hook")))
+    rewards = {m.turns[0].response_message["content"]: m.reward for m in batch.members}
+    assert rewards == pytest.approx({text: variety(text) for text in ("bad answer", "bad answer (sample 1)",
+                                                                        "bad answer (sample 2)")}, rel=1e-6)
+    # The client's 1.0 rewards its conversation, not the forked turn the siblings are compared with.
+    assert rewards["bad answer"] == pytest.approx(variety("bad answer"), rel=1e-6)
+    assert len(hook_rows) == 3 and client_trajectory in {row.trajectory_id for row in hook_rows}
 
 
 def test_explicit_group_feedback_and_policy(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:

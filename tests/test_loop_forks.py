@@ -1,11 +1,12 @@
-"""Production-shaped traffic through the loop: every request unique, every turn forked, a judge, no feedback.
+"""Production-shaped traffic through the loop: every request unique, every turn forked, no feedback.
 
 The agent asks the tiny model about a different ticket each time through the plain ``openai``
-client and never reports a reward. The gateway forks every turn (``fork_fraction = 1``), the
-scripted judge scores the fork groups, the loop trains a candidate, and the offline gate judges it
-on held-out conversations — which exist only because a held-out conversation's turns form no
-fork group. The test asserts that the gate decided the candidate (promoted or rejected, with its
-numbers) and that the loop trained again after it.
+client and never reports a reward. The gateway forks every turn (``fork_fraction = 1``); the fork
+groups are scored by a judge stand-in (RULER over HTTP) or by the task's reward hook (``[judge]
+reward_hook``), the loop trains a candidate, and the offline gate judges it on held-out
+conversations — which exist only because a held-out conversation's turns form no fork group. The
+test asserts that the gate decided the candidate (promoted or rejected, with its numbers) and that
+the loop trained again after it.
 """
 
 from __future__ import annotations
@@ -24,23 +25,24 @@ import pytest
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
 from tests.support import tiny_loop_config
+from tests.variety_task import variety
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def variety(block: str) -> float:
-    """The judge's reward for a trajectory block: n / (n + 10) for the n distinct characters of its last answer
-    (dense and never saturated, so a fork group of the untrained model's samples has rewards to tell apart)."""
+HOOK = "tests.variety_task:reward"
+
+
+def judged_variety(block: str) -> float:
+    """The judge's reward for a trajectory block: the variety of its last answer."""
     messages = json.loads(block)
-    answer = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
-    distinct = len(set(answer))
-    return distinct / (distinct + 10)
+    return variety(next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), ""))
 
 
 @pytest.fixture
 def judge() -> Iterator[ScriptedJudge]:
-    with ScriptedJudge(scorer=variety) as server:
+    with ScriptedJudge(scorer=judged_variety) as server:
         yield server
 
 
@@ -62,11 +64,13 @@ def gated_and_trained_again(rows: dict[int, dict[str, Any]]) -> bool:
 
 
 @pytest.mark.timeout(600)
-def test_unique_forked_traffic_without_feedback_is_gated_and_trained_again(tmp_path: Path,
-                                                                           judge: ScriptedJudge) -> None:
+@pytest.mark.parametrize("scorer", ["judge", "hook"])
+def test_unique_forked_traffic_without_feedback_is_gated_and_trained_again(tmp_path: Path, judge: ScriptedJudge,
+                                                                           scorer: str) -> None:
     from flywheel.trainer.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
+    scoring = judge.config_toml if scorer == "judge" else f'[judge]\nreward_hook = "{HOOK}"\n'
     gateway = GatewayProcess(tmp_path, tiny_loop_config(model, f"""
 [capture]
 idle_close_s = 1
@@ -74,7 +78,7 @@ idle_close_s = 1
 form_every_s = 1
 fork_fraction = 1.0
 fork_k = 3
-{judge.config_toml}[loop]
+{scoring}[loop]
 tick_s = 0.5
 score_every_s = 1
 min_groups = 4
@@ -104,7 +108,7 @@ enabled = false
         first = rows[1]
         offline = first["gate"]["offline"]
         assert first["status"] in ("promoted", "rejected") and first["source"] == "trained", first
-        assert offline["contexts"] >= 2 and offline["scorer"] == "ruler", offline
+        assert offline["contexts"] >= 2 and offline["scorer"] == ("ruler" if scorer == "judge" else HOOK), offline
         assert offline["wins"] + offline["ties"] + offline["losses"] == offline["contexts"]
         assert offline["decision"] in ("passed", "failed", "inconclusive")
         assert (first["status"] == "promoted") == (offline["decision"] == "passed"), first
@@ -112,3 +116,29 @@ enabled = false
         print(f"{next(tickets) - 1000} requests; version 1 {first['status']}: {first['reason']}")
     finally:
         gateway.stop()
+    if scorer == "hook":
+        assert_scored_by_the_hook(gateway.dir / "data" / "flywheel.duckdb")
+
+
+def assert_scored_by_the_hook(path: Path) -> None:
+    """Every member of every scored fork group has the hook's own score and a final reward taken from it."""
+    from sqlmodel import select
+
+    from flywheel.capture.models import Group, Score
+    from flywheel.capture.store import Store
+
+    store = Store(path)
+    try:
+        with store.session() as session:
+            groups = [g for g in session.exec(select(Group).where(Group.status == "scored"))]
+            scores = list(session.exec(select(Score).where(Score.source.in_(["hook", "reward", "ruler"]))))
+    finally:
+        store.close()
+    assert groups and all(g.source == "fork" for g in groups)
+    assert not [s for s in scores if s.source == "ruler"]  # no judge call
+    for group in groups:
+        hook = {s.trajectory_id: s.value for s in scores if s.group_id == group.id and s.source == "hook"}
+        final = {s.trajectory_id: (s.value, s.explanation) for s in scores
+                 if s.group_id == group.id and s.source == "reward"}
+        assert len(hook) == group.size and hook.keys() == final.keys(), group.id
+        assert all(final[t] == (value, "hook: ") for t, value in hook.items()), (hook, final)

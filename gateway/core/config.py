@@ -242,7 +242,7 @@ class GateConfig(BaseModel):
     holdout_fraction: float = Field(default=0.1, ge=0, le=0.5)  # of ungrouped trajectories; never trained on
     win_rate: float = Field(default=0.5, ge=0, le=1)  # pass when (wins + ties / 2) / M reaches this
     fail_alpha: float = Field(default=0.05, gt=0, le=1)  # under win_rate: failed at sign-test p <= this
-    reward_hook: str | None = None  # "module:function" or an http(s) URL; unset: RULER with the [judge] model
+    reward_hook: str | None = None  # "module:function" or an http(s) URL; unset: [judge] reward_hook, else RULER
     max_tokens: int = Field(default=256, ge=1)  # per answer
     temperature: float = Field(default=0.0, ge=0, le=2)  # 0: greedy, the versions' most likely answers
 

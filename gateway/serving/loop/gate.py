@@ -3,9 +3,9 @@
 M recent contexts that were never trained on (the first request of conversations kept out of
 every group: ``[loop.gate] holdout_fraction``) are answered by both versions through the engine
 (capture off: the gateway calls the engine directly). Each pair is scored by the configured
-reward hook — a Python entry point ``module:function`` or an HTTP endpoint, called with the
-context and one answer, returning a number (the way a task with a checkable outcome plugs in) —
-or, without a hook, by RULER comparing the two answers. The candidate wins a context when its
+reward hook (``[loop.gate] reward_hook``, else ``[judge] reward_hook``: ``flywheel.judge.hook``) —
+the way a task with a checkable outcome plugs in — or, without a hook, by RULER comparing the two
+answers. The candidate wins a context when its
 score is higher, ties count half; it passes when its win rate reaches ``win_rate``. It fails only
 when its losses outnumber its wins beyond chance (a one-sided sign test over the contexts that did
 not tie, at ``fail_alpha``); otherwise, and when every context ties, the gate learned too little
@@ -15,19 +15,16 @@ about the candidate: ``inconclusive``, and the canary decides.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import logging
 import math
 import statistics
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
 from flywheel.gateway.core.config import GateConfig, JudgeConfig
 from flywheel.gateway.core.store_api import HeldoutContext
 from flywheel.gateway.serving.served_model import ServedModel
+from flywheel.judge.hook import RewardHookError, load_reward_hook
 
 log = logging.getLogger("flywheel.gate")
 
@@ -41,29 +38,17 @@ class GateError(RuntimeError):
 
 def hook_scorer(target: str, timeout_s: float = 60.0) -> Scorer:
     """Both answers scored independently by the reward hook (``module:function`` or an http(s) URL)."""
-    if target.startswith(("http://", "https://")):
-        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       answer: dict[str, Any]) -> float:
-            async with httpx.AsyncClient(timeout=timeout_s) as client:
-                response = await client.post(target, json={"messages": messages, "tools": tools, "answer": answer})
-            if response.status_code != 200:
-                raise GateError(f"reward hook {target} answered {response.status_code}")
-            return float(response.json()["reward"])
-    else:
-        module_name, _, attribute = target.partition(":")
-        if not attribute:
-            raise GateError(f"reward hook {target!r}: expected module:function or an http(s) URL")
-        function = getattr(importlib.import_module(module_name), attribute)
-
-        async def call(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       answer: dict[str, Any]) -> float:
-            if inspect.iscoroutinefunction(function):
-                return float(await function(messages, tools, answer))
-            return float(await asyncio.to_thread(function, messages, tools, answer))
+    try:
+        hook = load_reward_hook(target, timeout_s)
+    except RewardHookError as exc:
+        raise GateError(str(exc)) from exc
 
     async def score(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, candidate: dict[str, Any],
                     baseline: dict[str, Any]) -> tuple[float, float]:
-        return await call(messages, tools, candidate), await call(messages, tools, baseline)
+        try:
+            return await hook(messages, tools, candidate), await hook(messages, tools, baseline)
+        except RewardHookError as exc:
+            raise GateError(str(exc)) from exc
 
     return score
 
@@ -114,8 +99,14 @@ def gate_decision(wins: int, ties: int, contexts: int, threshold: float, fail_al
     return "failed" if loss_p_value(wins, contexts - wins - ties) <= fail_alpha else "inconclusive"
 
 
+def gate_hook(gate: GateConfig, judge: JudgeConfig) -> str | None:
+    """The reward hook the gate scores with: its own, else the one that scores groups (``[judge]``); None: RULER."""
+    return gate.reward_hook or (judge.reward_hook if judge.enabled else None)
+
+
 async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: list[HeldoutContext],
-                       config: GateConfig, scorer: Scorer, concurrency: int = 4) -> dict[str, Any]:
+                       config: GateConfig, scorer: Scorer, concurrency: int = 4,
+                       scorer_name: str = "ruler") -> dict[str, Any]:
     """Answer every context with both versions, score each pair, and decide."""
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -137,4 +128,4 @@ async def offline_gate(candidate: ServedModel, baseline: ServedModel, contexts: 
             "candidate_mean": statistics.fmean(a for a, _ in scores),
             "baseline_mean": statistics.fmean(b for _, b in scores),
             "candidate_version": candidate.version, "baseline_version": baseline.version,
-            "scorer": config.reward_hook or "ruler"}
+            "scorer": scorer_name}

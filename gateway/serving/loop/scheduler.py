@@ -412,9 +412,10 @@ class Loop:
             return None
         candidate = self.state.router.version_model(alias, flight.version, flight.path)
         await self.state.router.load(candidate)
-        scorer = (offline.hook_scorer(config.reward_hook) if config.reward_hook
-                  else offline.ruler_scorer(self.settings.judge))
-        return await offline.offline_gate(candidate, self.state.router.get(alias), contexts, config, scorer)
+        hook = offline.gate_hook(config, self.settings.judge)
+        scorer = offline.hook_scorer(hook) if hook else offline.ruler_scorer(self.settings.judge)
+        return await offline.offline_gate(candidate, self.state.router.get(alias), contexts, config, scorer,
+                                          scorer_name=hook or "ruler")
 
     async def _unload(self, alias: str, flight: Version) -> None:
         candidate = self.state.router.version_model(alias, flight.version, flight.path)
