@@ -6,7 +6,8 @@ store) — or, with ``[judge] reward_hook``, the task's own check scores each me
 answer (one ``source = "hook"`` row per member) — the latest client feedback of each member is
 combined with that score under the reward policy, and one ``scores`` row with ``source =
 "reward"`` per member records the final reward the trainer uses (``explanation`` starts with
-where it came from). The group's status becomes ``scored``. A group whose judge or hook call
+where it came from). The group's status becomes ``scored`` (``untrainable`` when its final rewards
+are all equal: nothing for GRPO to learn). A group whose judge or hook call
 fails after its retries stays ``closed`` and is tried again by the next run.
 
 A fork group's members are turns, not conversations: they are scored by the judge or hook
@@ -203,15 +204,23 @@ def reward_rows(group_id: str, group: TrajectoryGroup, judge_model: str | None, 
     return rows
 
 
+def teaches_nothing(rows: list[dict[str, Any]]) -> bool:
+    """Whether a group's final rewards are all equal: GRPO's advantages are then all zero."""
+    return len({row["value"] for row in rows if row["source"] == "reward"}) < 2
+
+
 def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]],
                    answers: list[dict[str, Any]]) -> None:
-    """The judge's new answers (the cache's rows), the judged groups' final rewards and their status ``scored``,
-    in one transaction."""
+    """The judge's new answers (the cache's rows), the judged groups' final rewards and their status, in one
+    transaction: ``scored``, or ``untrainable`` when the rewards are all equal, so that a round's ``max_groups``
+    and the loop's ``min_groups`` count only groups a round can learn from."""
     with Session(engine) as session:
         bulk_insert(session, Score, answers)
         bulk_insert(session, Score, [row for _, rows in judged for row in rows])  # the ORM writes row by row
-        for ids in chunks([group_id for group_id, _ in judged], 500):
-            session.execute(update(Group).where(col(Group.id).in_(ids)).values(status="scored"))
+        for status in ("scored", "untrainable"):
+            ids = [group_id for group_id, rows in judged if teaches_nothing(rows) == (status == "untrainable")]
+            for chunk in chunks(ids, 500):
+                session.execute(update(Group).where(col(Group.id).in_(chunk)).values(status=status))
         session.commit()
 
 

@@ -70,7 +70,8 @@ holdout_fraction = 0.0  # both conversations must form the group
             # (The status shows only the latest run of a job, and a failed one for half a second: not waited on.)
             wait_for(lambda: judge.max_in_flight >= 2, timeout_s=120,
                      what="a scoring run that gave up on the slow judge, and the next one calling it again")
-            wait_for(lambda: status_of(gateway)["pending"]["groups"].get("scored"), timeout_s=120,
+            # Two equal answers score equally: the judged group is settled as untrainable (judge/scoring.py).
+            wait_for(lambda: status_of(gateway)["pending"]["groups"].get("untrainable"), timeout_s=120,
                      what="the group scored once the judge answers in time")
             assert len(judge.requests) >= 3  # two timed out, then one answered
         finally:
