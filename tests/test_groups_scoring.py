@@ -13,15 +13,20 @@ import httpx
 import openai
 import pytest
 from sqlmodel import select
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from flywheel.capture.groups import training_group
 from flywheel.capture.models import Group, Score
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import load_settings
+from flywheel.gateway.core.processes import free_port
 from flywheel.judge.scoring import groups_for_judge, judge_cache_key
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
-from tests.scripted_openai import Reply, ScriptedOpenAI
+from tests.scripted_openai import LoopbackServer, Reply, ScriptedOpenAI
 
 ADMIN = {"authorization": "Bearer admin"}
 
@@ -39,7 +44,7 @@ def servers() -> Iterator[tuple[ScriptedOpenAI, ScriptedJudge]]:
 
 
 def start(tmp: Path, upstream: ScriptedOpenAI, judge: ScriptedJudge, extra: str = "",
-          judge_line: str = "") -> GatewayProcess:
+          judge_line: str = "", groups_lines: str = "") -> GatewayProcess:
     return GatewayProcess(tmp, f"""
 [engines.up]
 base_url = "{upstream.base_url}"
@@ -50,7 +55,7 @@ base_model = "scripted"
 admin_key = "admin"
 {judge.config_toml}{judge_line}[groups]
 form_every_s = 3600
-[loop.gate]
+{groups_lines}[loop.gate]
 holdout_fraction = 0.0  # every conversation must form its group
 {extra}
 """).start()
@@ -93,12 +98,71 @@ def test_forked_turn_becomes_a_scored_single_turn_group(tmp_path: Path,
     assert stored_keys == {judge_cache_key(group, groups_for_judge(store.engine, [group])[group.id], config)}
 
 
-def test_a_reward_hook_scores_a_forked_turn_and_feedback_stays_with_the_conversation(
+def test_fork_turns_first_forks_a_conversations_first_turn_only(
         tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge, groups_lines='fork_fraction = 1.0\nfork_k = 2\nfork_turns = "first"\n')
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    first = [{"role": "user", "content": "say something"}]
+    reply = client.chat.completions.create(model="gpt-4o", messages=first)
+    assert upstream.requests[-1].get("n") == 3  # the first turn: the client's answer and two siblings
+    later = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+             {"role": "user", "content": "and then?"}]
+    client.chat.completions.create(model="gpt-4o", messages=later)
+    assert upstream.requests[-1].get("n", 1) == 1  # a later turn of the conversation: not forked
+    client.chat.completions.create(model="gpt-4o", messages=later, extra_headers={"X-Flywheel-Fork": "2"})
+    assert upstream.requests[-1].get("n") == 3  # the header forks any turn
+    gateway.stop()
+
+
+class RewardEndpoint:
+    """A task's reward hook over HTTP on loopback: ``{"messages", "tools", "answer"}`` in, ``{"reward"}`` out."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.port = free_port()
+
+    async def _reward(self, request: Request) -> JSONResponse:
+        from tests.variety_task import reward
+
+        body = await request.json()
+        self.bodies.append(body)
+        return JSONResponse({"reward": reward(body["messages"], body["tools"], body["answer"])})
+
+    def __enter__(self) -> RewardEndpoint:
+        self._server = LoopbackServer(Starlette(routes=[Route("/reward", self._reward, methods=["POST"])]), self.port)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop()
+
+
+@pytest.mark.parametrize("hook", ["python", "http"])
+def test_a_reward_hook_scores_a_forked_turn_and_feedback_stays_with_the_conversation(
+        tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge], hook: str) -> None:
     from tests.variety_task import variety
 
     upstream, judge = servers
-    gateway = start(tmp_path, upstream, judge, judge_line='reward_hook = "tests.variety_task:reward"\n')
+    with RewardEndpoint() as endpoint:
+        target = "tests.variety_task:reward" if hook == "python" else f"http://127.0.0.1:{endpoint.port}/reward"
+        gateway = start(tmp_path, upstream, judge, judge_line=f'reward_hook = "{target}"\n')
+        store, rewards, hook_rows, client_trajectory = fork_scored_by_the_hook(gateway)
+    store.close()
+    assert judge.requests == []  # the hook took the judge's place
+    assert rewards == pytest.approx({text: variety(text) for text in ("bad answer", "bad answer (sample 1)",
+                                                                        "bad answer (sample 2)")}, rel=1e-6)
+    # The client's 1.0 rewards its conversation, not the forked turn the siblings are compared with.
+    assert rewards["bad answer"] == pytest.approx(variety("bad answer"), rel=1e-6)
+    assert len(hook_rows) == 3 and client_trajectory in {row.trajectory_id for row in hook_rows}
+    if hook == "http":  # each call: the turn's context and one answer
+        assert len(endpoint.bodies) == 3
+        assert all(b["messages"] == [{"role": "user", "content": "say something"}] for b in endpoint.bodies)
+        assert {b["answer"]["content"] for b in endpoint.bodies} == set(rewards)
+
+
+def fork_scored_by_the_hook(gateway: GatewayProcess) -> tuple[Store, dict[str, float], list[Score], str]:
+    """One forked turn with feedback on its conversation, grouped and scored; the store, each member's reward by its
+    answer, the hook's rows and the client's trajectory."""
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "say something"}],
                                            extra_headers={"X-Flywheel-Fork": "2"})
@@ -109,17 +173,12 @@ def test_a_reward_hook_scores_a_forked_turn_and_feedback_stays_with_the_conversa
     assert [(g["source"], g["size"]) for g in formed] == [("fork", 3)]
     summary = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
     assert (summary["scored"], summary["failed"]) == (1, 0)
-    assert judge.requests == []  # the hook took the judge's place
     store = read_store(gateway)
     with store.session() as session:
         batch = training_group(session, session.exec(select(Group)).one())
         hook_rows = list(session.exec(select(Score).where(Score.source == "hook")))
-    rewards = {m.turns[0].response_message["content"]: m.reward for m in batch.members}
-    assert rewards == pytest.approx({text: variety(text) for text in ("bad answer", "bad answer (sample 1)",
-                                                                        "bad answer (sample 2)")}, rel=1e-6)
-    # The client's 1.0 rewards its conversation, not the forked turn the siblings are compared with.
-    assert rewards["bad answer"] == pytest.approx(variety("bad answer"), rel=1e-6)
-    assert len(hook_rows) == 3 and client_trajectory in {row.trajectory_id for row in hook_rows}
+    return store, {m.turns[0].response_message["content"]: m.reward for m in batch.members}, hook_rows, \
+        client_trajectory
 
 
 def test_explicit_group_feedback_and_policy(tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:

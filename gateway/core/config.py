@@ -200,6 +200,9 @@ class GroupsConfig(BaseModel):
     cohorts: bool = False  # also group by system prompt + tools alone (weaker signal)
     fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
+    # "first": fork_fraction forks only a conversation's first turn (no assistant message yet), where an agent
+    # whose later turns follow from its first decides; X-Flywheel-Fork forks any turn either way
+    fork_turns: Literal["all", "first"] = "all"
     # "head": the siblings come from the training line's head, so a round learns from the policy it trains
     fork_from: Literal["serving", "head"] = "serving"
     # "without_replacement": the siblings are distinct, drawn by stochastic beam search where the engine can

@@ -62,7 +62,7 @@ def flywheel_headers(request: Request) -> dict[str, str]:
 
 def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, *, endpoint: str,
                  served: ServedModel, requested_model: str, client_key_id: str | None,
-                 started: float) -> CapturePlan | None:
+                 started: float, first_turn: bool = True) -> CapturePlan | None:
     """None when this request is not to be captured (header, config default, sampling)."""
     headers = flywheel_headers(request)
     switch = (headers.get("capture") or "").strip().lower()
@@ -75,14 +75,18 @@ def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, 
                        client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
                        trajectory_id=headers.get("trajectory-id") or None, task=headers.get("task") or None,
                        group_id=headers.get("group-id") or None,
-                       fork_k=fork_count(headers.get("fork"), groups) if endpoint == "chat.completions" else 0,
+                       fork_k=fork_count(headers.get("fork"), groups, first_turn) if endpoint == "chat.completions"
+                       else 0,
                        parent_trajectory_id=headers.get("parent-trajectory-id") or None)
 
 
-def fork_count(header: str | None, groups: GroupsConfig) -> int:
-    """Extra samples to draw: ``X-Flywheel-Fork: k`` or, for a ``fork_fraction`` of turns, ``fork_k``."""
+def fork_count(header: str | None, groups: GroupsConfig, first_turn: bool = True) -> int:
+    """Extra samples to draw: ``X-Flywheel-Fork: k`` or, for a ``fork_fraction`` of turns (of first turns only
+    with ``fork_turns = "first"``), ``fork_k``."""
     if header is not None:
         if not header.strip().isdigit() or not 0 <= int(header) <= 16:
             raise BadRequest("Invalid value for 'X-Flywheel-Fork': an integer from 0 to 16", param="X-Flywheel-Fork")
         return int(header)
+    if groups.fork_turns == "first" and not first_turn:
+        return 0
     return groups.fork_k if groups.fork_fraction and random.random() < groups.fork_fraction else 0

@@ -162,7 +162,9 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
-                            served=served, requested_model=body["model"], client_key_id=key_id, started=started)
+                            served=served, requested_model=body["model"], client_key_id=key_id, started=started,
+                            first_turn=endpoint is Endpoint.COMPLETIONS
+                            or not any(m.get("role") == "assistant" for m in body["messages"]))
         sides: list[CrossFork] = []
         if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
             client_n = int(body.get("n") or 1)
