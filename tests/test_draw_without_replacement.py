@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import openai
 from sqlmodel import select
 
-from flywheel.capture.models import Turn
+from flywheel.capture.models import Score, Turn
 from flywheel.capture.store import Store
+from flywheel.gateway.core.config import load_settings
+from flywheel.gateway.storeproc.store_ops import canary_rewards
 from tests.gateway_process import GatewayProcess
 
 
@@ -52,3 +56,47 @@ fork_draw = "without_replacement"
         # each sibling keeps log q for the trainer's weights (trainer/samples.py: centred_rewards)
         assert all(t.inclusion_logprob is not None and t.inclusion_logprob <= 0 for t in turns
                    if t.completion_id == completion and t.source == "fork")
+
+
+def test_the_canary_measures_a_version_by_its_samples_not_by_its_drawn_siblings(tmp_path: Path,
+                                                                               tiny_model: Path) -> None:
+    """A drawn sibling is kept apart from the answers drawn before it, so it is no sample of its version: the
+    canary's fork pairs leave it out. Four forked turns scored by a reward hook give four canary rewards, the
+    clients' answers, and not sixteen."""
+    gateway = GatewayProcess(tmp_path, f"""
+[engines.local]
+model = "{tiny_model}"
+[aliases.agent]
+engine = "local"
+[auth]
+admin_key = "admin"
+[judge]
+reward_hook = "tests.variety_task:reward"
+[groups]
+form_every_s = 3600
+fork_fraction = 1.0
+fork_k = 3
+fork_draw = "without_replacement"
+[loop.gate]
+holdout_fraction = 0.0
+""").start()
+    since = datetime.now(UTC)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    for n in range(4):
+        client.chat.completions.create(model="agent", max_tokens=3, temperature=1.0,
+                                       messages=[{"role": "user", "content": f"ticket {n}"}])
+    admin = {"authorization": "Bearer admin"}
+    formed = httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=admin, timeout=60).json()["formed"]
+    assert [g["source"] for g in formed] == ["fork"] * 4
+    scored = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=admin, timeout=60).json()
+    assert scored["failed"] == 0 and scored["scored"] == 4, scored
+    gateway.stop()
+    store = Store(gateway.dir / "data" / "flywheel.duckdb")
+    try:
+        with store.session() as session:
+            hook_scores = list(session.exec(select(Score).where(Score.source == "hook")))
+        rewards = canary_rewards(store, load_settings([gateway.config_file]), "agent", since, [0])
+    finally:
+        store.close()
+    assert len(hook_scores) == 16  # every member was scored and trains
+    assert len(rewards) == 4 and {r.order for r in rewards} == {"0000"}, rewards  # each turn's client answer

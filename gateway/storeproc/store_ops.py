@@ -424,9 +424,10 @@ def conversation_units(session: Session, alias: str, since: datetime | None, ver
 
 
 def fork_units(session: Session, alias: str, since: datetime | None, versions_in: list[int]) -> list[dict[str, Any]]:
-    """Every judged answer of a fork group (the client's and its siblings, one turn each): context = the group,
-    reward = the judge's (or the reward hook's) own score, the same call for every member, at = when it was
-    judged."""
+    """Every judged answer of a fork group (the client's and its siblings, one turn each) that is a sample of its
+    version: context = the group, reward = the judge's (or the reward hook's) own score, the same call for every
+    member, at = when it was judged. A sibling drawn without replacement is not: the draw keeps it apart from
+    the answers drawn before it, so it would measure its version by its less likely answers."""
     query = (sa_select(col(Group.key), col(Turn.choice_index), col(Turn.adapter_version), col(Score.created_at),
                        col(Score.value))
              .join(GroupMember, col(GroupMember.group_id) == col(Group.id))
@@ -434,7 +435,8 @@ def fork_units(session: Session, alias: str, since: datetime | None, versions_in
              .join(Score, and_(col(Score.group_id) == col(Group.id),
                                col(Score.trajectory_id) == col(GroupMember.trajectory_id)))
              .where(col(Group.alias) == alias, col(Group.source) == "fork", col(Turn.created_at) >= since,
-                    col(Score.source).in_(["ruler", "hook"]), col(Turn.adapter_version).in_(versions_in))
+                    col(Score.source).in_(["ruler", "hook"]), col(Turn.adapter_version).in_(versions_in),
+                    col(Turn.inclusion_logprob).is_(None))
              .order_by(col(Score.created_at)))
     first: dict[tuple[str, int], dict[str, Any]] = {}
     for key, choice, version, at, value in session.execute(query).all():
