@@ -81,12 +81,12 @@ def test_config_files_layer_key_by_key_and_the_environment_beats_them(tmp_path: 
     base, mine = tmp_path / "base.toml", tmp_path / "mine.toml"
     base.write_text("[loop.gate]\ncontexts = 24\nmin_contexts = 12\n[loop.canary]\nmax_pairs = 200\n"
                     "[train.args]\nlearning_rate = 3e-3\nlora_r = 16\n")
-    mine.write_text('[loop.gate]\nreward_hook = "examples.demo.task:gate_reward"\nmin_contexts = 4\n'
+    mine.write_text('[loop.gate]\nreward_hook = "examples.demo.task:turn_reward"\nmin_contexts = 4\n'
                     "[train.args]\nlearning_rate = 2e-5\n")
     monkeypatch.setenv("FLYWHEEL_LOOP__CANARY__MAX_PAIRS", "50")
     settings = load_settings([base, mine])
     gate = settings.loop.gate
-    assert (gate.contexts, gate.min_contexts, gate.reward_hook) == (24, 4, "examples.demo.task:gate_reward")
+    assert (gate.contexts, gate.min_contexts, gate.reward_hook) == (24, 4, "examples.demo.task:turn_reward")
     assert settings.train.args == {"learning_rate": 2e-5, "lora_r": 16}
     assert settings.loop.canary.max_pairs == 50
     assert load_settings([mine, base]).train.args["learning_rate"] == 3e-3  # the last file wins

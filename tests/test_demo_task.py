@@ -45,16 +45,24 @@ def test_an_endless_final_answer_halves_the_reward() -> None:
     assert task.episode_reward(REQUEST, call("order"), ANSWER, final_truncated=True) == pytest.approx(0.5)
 
 
-def test_gate_reward_scores_one_first_turn_for_its_context() -> None:
+def test_turn_reward_scores_a_first_turn_by_its_tool() -> None:
     messages = task.first_messages(task.Request("Can I get a meeting to fix my bike?", "calendar"))
-    assert task.gate_reward(messages, task.TOOLS, call("calendar")) == 1.0
-    assert task.gate_reward(messages, task.TOOLS, call("order")) == pytest.approx(0.1)
-    assert task.gate_reward(messages, task.TOOLS, {"role": "assistant", "content": "Sure."}) == 0.0
-    assert task.gate_reward(messages, task.TOOLS, call("calendar"), truncated=True) == 0.0
-    assert task.gate_reward(messages, task.TOOLS[:1], call("calendar")) == 0.0  # a tool the context did not offer
+    assert task.turn_reward(messages, task.TOOLS, call("calendar")) == 1.0
+    assert task.turn_reward(messages, task.TOOLS, call("order")) == pytest.approx(0.1)
+    assert task.turn_reward(messages, task.TOOLS, {"role": "assistant", "content": "Sure."}) == 0.0
+    assert task.turn_reward(messages, task.TOOLS, call("calendar"), truncated=True) == 0.0
+    assert task.turn_reward(messages, task.TOOLS[:1], call("calendar")) == 0.0  # a tool the context did not offer
     # a bare {"name", "arguments"} call is read too, arguments as a dict
     bare = {"role": "assistant", "tool_calls": [{"name": "calendar", "arguments": {}}]}
-    assert task.gate_reward(messages, task.TOOLS, bare) == 1.0
+    assert task.turn_reward(messages, task.TOOLS, bare) == 1.0
+
+
+def test_turn_reward_scores_the_turn_after_the_result_by_its_answer() -> None:
+    messages = [*task.first_messages(task.Request("Please book a bike meeting.", "calendar")), call("order"),
+                {"role": "tool", "tool_call_id": "call_0", "content": task.tool_result("order")}]
+    assert task.turn_reward(messages, task.TOOLS, ANSWER) == 1.0  # the turn's own job: an answer
+    assert task.turn_reward(messages, task.TOOLS, ANSWER, truncated=True) == 0.0
+    assert task.turn_reward(messages, task.TOOLS, call("calendar")) == 0.0  # a second call is no answer
 
 
 def test_every_request_carries_the_cue_of_exactly_its_tool() -> None:

@@ -17,7 +17,8 @@ Reward of an episode (``episode_reward``):
 
 A turn that ran into its ``max_tokens`` (no end-of-turn token: a collapsed model's endless
 output) counts as malformed, so such a candidate scores 0 and the promotion gate can reject
-it. ``gate_reward`` scores a single first-turn answer the same way (1.0 / 0.1 / 0).
+it. ``turn_reward`` scores a single turn the same way: a first turn 1.0 / 0.1 / 0, the turn after
+the tool's result 1.0 for a final answer.
 
 Only the standard library: the agent, the gate and the tests import this without torch.
 """
@@ -190,14 +191,20 @@ def episode_reward(request: Request, first: Mapping[str, Any] | None, final: Map
     return score if is_final_answer(final, truncated=final_truncated) else score / 2
 
 
-def gate_reward(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+def turn_reward(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
                 answer_message: Mapping[str, Any], *, truncated: bool = False) -> float:
-    """Score one first-turn answer for its context: 1.0 right tool, 0.1 another valid call, 0 otherwise.
+    """Score one turn for its context: the task's reward hook (the gate, and the forked turns' groups).
 
-    The right tool comes from the cue in the last user message; the valid names from ``tools``.
+    A first turn (no tool result since the last user message): 1.0 right tool, 0.1 another valid
+    call, 0 otherwise; the right tool comes from the cue in the last user message, the valid names
+    from ``tools``. A turn after the tool's result: 1.0 for a final answer, 0 otherwise.
     Pass ``truncated=True`` when the answer hit its ``max_tokens``: engines report a parsed call
     as ``finish_reason="tool_calls"`` even then, so only the caller knows that no end of turn came.
     """
+    since_user = list(messages)[next((i for i in range(len(messages) - 1, -1, -1)
+                                      if messages[i].get("role") == "user"), -1) + 1:]
+    if any(m.get("role") == "tool" for m in since_user):
+        return 1.0 if is_final_answer(answer_message, truncated=truncated) else 0.0
     user = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
     names = [str(_function(t).get("name")) for t in tools or []]
     return tool_choice_reward(cue_tool(user), called_tool(answer_message, truncated=truncated, tool_names=names))

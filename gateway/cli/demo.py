@@ -15,7 +15,8 @@ What happens:
    of four tools for each customer request, gets the tool's result and answers. It uses only the
    ``openai`` client with its ``base_url`` pointed at the gateway, and reports each episode's reward
    through the feedback endpoint — the only thing it knows about Flywheel.
-4. The loop groups the episodes, trains LoRA rounds in a child process, gates each candidate
+4. The loop groups the episodes and the forks of every turn (scored by the task's reward hook), trains
+   LoRA rounds in a child process, gates each candidate
    offline (held-out requests, the task's reward hook) and on a canary (a sequential test on live
    rewards), promotes or rejects it, and watches each promotion for a drop — by itself, while the
    agent keeps running. The screen shows episodes, versions, reward per version, gate decisions.
@@ -219,15 +220,16 @@ engine = "local"
 [capture]
 idle_close_s = 60
 
+[groups]
+fork_fraction = 1.0  # every turn also answered by the training head: a group at every context
+
 [judge]
-enabled = false  # every episode reports its reward: no judge needed
+reward_hook = "examples.demo.task:turn_reward"  # the task's own check scores groups and the gate: no judge model
 
 [train]
 {rounds}{real_model}
 [loop]
 {rounds.replace("max_groups", "min_groups")}
-[loop.gate]
-reward_hook = "examples.demo.task:gate_reward"
 
 [loop.canary]
 {"" if canary_pairs is None else f"max_pairs = {canary_pairs}"}
