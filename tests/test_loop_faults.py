@@ -60,7 +60,8 @@ holdout_fraction = 0.0  # both conversations must form the group
         reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "still serving"}])
         assert reply.choices[0].message.content == "an answer"
         with ScriptedJudge(port=judge_port) as judge:
-            wait_for(lambda: status(gateway)["pending"]["groups"].get("scored"), what="the group scored")
+            # Two equal answers score equally: the judged group is settled as untrainable (judge/scoring.py).
+            wait_for(lambda: status(gateway)["pending"]["groups"].get("untrainable"), what="the group scored")
             assert judge.requests
         gateway.stop()
 
