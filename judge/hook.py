@@ -39,9 +39,15 @@ def load_reward_hook(target: str, timeout_s: float = 60.0) -> RewardHook:
         raise RewardHookError(f"reward hook {target!r} cannot be loaded: {exc}") from exc
 
     async def call(messages: list[Message], tools: list[dict[str, Any]] | None, answer: Message) -> float:
-        if inspect.iscoroutinefunction(function):
-            return _finite(target, await function(messages, tools, answer))
-        return _finite(target, await asyncio.to_thread(function, messages, tools, answer))
+        running = function(messages, tools, answer) if inspect.iscoroutinefunction(function) \
+            else asyncio.to_thread(function, messages, tools, answer)
+        try:
+            value = await asyncio.wait_for(running, timeout_s)
+        except TimeoutError as exc:
+            raise RewardHookError(f"reward hook {target} did not answer within {timeout_s} s") from exc
+        except Exception as exc:  # the task's own code: whatever it raises fails this group, not the scoring run
+            raise RewardHookError(f"reward hook {target} raised {exc!r}") from exc
+        return _finite(target, value)
 
     return call
 

@@ -160,6 +160,23 @@ def test_a_reward_hook_scores_a_forked_turn_and_feedback_stays_with_the_conversa
         assert {b["answer"]["content"] for b in endpoint.bodies} == set(rewards)
 
 
+def test_a_hook_that_raises_leaves_its_group_for_the_next_run(
+        tmp_path: Path, servers: tuple[ScriptedOpenAI, ScriptedJudge]) -> None:
+    upstream, judge = servers
+    gateway = start(tmp_path, upstream, judge, judge_line='reward_hook = "tests.variety_task:broken"\n')
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "say something"}],
+                                   extra_headers={"X-Flywheel-Fork": "2"})
+    assert len(httpx.post(f"{gateway.url}/flywheel/v1/jobs/groups", headers=ADMIN).json()["formed"]) == 1
+    summary = httpx.post(f"{gateway.url}/flywheel/v1/jobs/score", headers=ADMIN, timeout=60).json()
+    assert (summary["scored"], summary["failed"]) == (0, 1)
+    store = read_store(gateway)
+    with store.session() as session:
+        assert session.exec(select(Group)).one().status == "closed"
+        assert not list(session.exec(select(Score)))
+    store.close()
+
+
 def fork_scored_by_the_hook(gateway: GatewayProcess) -> tuple[Store, dict[str, float], list[Score], str]:
     """One forked turn with feedback on its conversation, grouped and scored; the store, each member's reward by its
     answer, the hook's rows and the client's trajectory."""

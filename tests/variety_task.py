@@ -17,3 +17,7 @@ def variety(text: str) -> float:
 
 def reward(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: dict[str, Any]) -> float:
     return variety(str(answer.get("content") or ""))
+
+
+def broken(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: dict[str, Any]) -> float:
+    raise ValueError("the task's own bug")
