@@ -137,12 +137,12 @@ async def hook_score_group(group: TrajectoryGroup, hook: RewardHook, semaphore: 
         return None
 
     scores = await asyncio.gather(*(one(t) for t in group.trajectories))
-    if any(score is None for score in scores):
-        return None
     trajectories = []
     for trajectory, score in zip(group.trajectories, scores, strict=True):
+        if score is None:
+            return None
         copy = trajectory.model_copy(deep=True)
-        copy.reward, copy.metrics["hook_score"] = float(score or 0.0), float(score or 0.0)
+        copy.reward = copy.metrics["hook_score"] = score
         trajectories.append(copy)
     return TrajectoryGroup(trajectories=trajectories, id=group.id, metadata=dict(group.metadata))
 
@@ -162,11 +162,10 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
     scored: TrajectoryGroup | None = None
+    own_rows: list[dict[str, Any]] = []  # the hook's scores (RULER's go through the judge cache)
     if hook is not None:
         scored, judge_model = await hook_score_group(trajectories, hook, semaphore, config.max_retries), None
-        if scored is not None:
-            return hook_rows(group.id, scored) + reward_rows(group.id, apply_rewards(scored, feedback, policy),
-                                                             None, rubric_hash(rubric))
+        own_rows = hook_rows(group.id, scored) if scored is not None else []
     elif config.enabled:
         scored = await ruler_score_group(trajectories, config.model, rubric=rubric, swallow_exceptions=True,
                                          cache=cache, semaphore=semaphore, **config.call_kwargs())
@@ -176,7 +175,8 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
                  "off" if not config.enabled else "failed")
     if scored is None:
         return None
-    return reward_rows(group.id, apply_rewards(scored, feedback, policy), judge_model, rubric_hash(rubric))
+    return own_rows + reward_rows(group.id, apply_rewards(scored, feedback, policy), judge_model,
+                                  rubric_hash(rubric))
 
 
 def judge_cache_key(group: Group, judge_input: JudgeInput, config: JudgeConfig) -> str:
