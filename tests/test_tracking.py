@@ -65,6 +65,7 @@ def servers() -> Iterator[tuple[VllmStandIn, ScriptedJudge]]:
         yield vllm, judge
 
 
+@pytest.mark.slow  # a whole loop story, about a minute: the default run's budget (docs/engineering-notes.md)
 def test_rounds_gates_and_rewards_per_version_reach_wandb(tmp_path: Path,
                                                          servers: tuple[VllmStandIn, ScriptedJudge]) -> None:
     tracking_dir = tmp_path / "wandb-files"

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from flywheel.trainer import adapters
 from tests.gateway_process import GatewayProcess
@@ -86,6 +87,7 @@ def send_groups(gateway: GatewayProcess, first: int, count: int) -> None:
         assert feedback.status_code == 200, feedback.text
 
 
+@pytest.mark.slow  # real rounds in worker processes, most of a minute each
 def test_a_worker_trains_only_when_the_loop_would_and_the_gate_takes_its_round(tmp_path: Path, vllm: VllmStandIn,
                                                                                  tiny_model: Path) -> None:
     gateway = GatewayProcess(tmp_path, workers_config(vllm, tiny_model)).start()
@@ -129,6 +131,7 @@ def trainer_worker(gateway: GatewayProcess, workdir: Path, base_model: Path) -> 
                             stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow  # real rounds in worker processes, most of a minute each
 def test_trainer_workers_download_train_and_upload_and_never_share_a_round(tmp_path: Path, vllm: VllmStandIn,
                                                                             tiny_model: Path) -> None:
     gateway = GatewayProcess(tmp_path, workers_config(vllm, tiny_model)).start()
