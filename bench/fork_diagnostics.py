@@ -5,7 +5,8 @@
 
 Per minute of the run, over the fork groups of first turns (a context with no assistant message yet):
 
-- ``client``: the mean score of the answers the client got (the serving version's and the candidate's);
+- ``client``: the mean score of the answers sampled independently: the client's (serving version or
+  candidate) and, during a canary, the other arm's sibling;
 - ``head >=``: a lower bound on the probability the training head gives a top-scored answer
   (score >= ``--top``): the summed probabilities (exp of the captured logprobs at T = 1) of its distinct
   siblings drawn without replacement that scored it. Distinct draws never count a sequence twice,
@@ -16,7 +17,7 @@ Per minute of the run, over the fork groups of first turns (a context with no as
 
 ``--pairs CANDIDATE BASELINE`` splits the canary's same-context pairs (the fork groups holding an
 independent answer of each version) by the context's length in messages: pairs of turns that always
-tie add zeros to the test's mean gain per pair (docs/loop.md, "min_gain per forked turn").
+tie add zeros to the test's mean gain per pair (docs/loop.md, on `min_gain`).
 """
 
 from __future__ import annotations
