@@ -26,7 +26,9 @@ import argparse
 import json
 import math
 from collections import defaultdict
+from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 
@@ -40,26 +42,39 @@ order by g.created_at
 """
 
 
-def per_minute(rows: list[tuple], top: float) -> None:
-    groups: dict[str, list[tuple]] = defaultdict(list)
-    for key, at, n_messages, version, inclusion, logprobs, score in rows:
-        if n_messages is not None and n_messages <= 2:  # system + user: a first turn
-            groups[key].append((at, version, inclusion, json.loads(logprobs) if logprobs else None, score))
+class Member(NamedTuple):
+    """One scored answer of a fork group (a row of ``_MEMBERS``)."""
+
+    key: str
+    at: datetime
+    n_messages: int | None  # the context's length: which turn it answers
+    version: int
+    inclusion: float | None  # log q of a sibling drawn without replacement; None: sampled independently
+    logprobs: str | None  # JSON list of the sampled tokens' logprobs
+    score: float
+
+
+def per_minute(members: list[Member], top: float) -> None:
+    groups: dict[str, list[Member]] = defaultdict(list)
+    for member in members:
+        if member.n_messages is not None and member.n_messages <= 2:  # (system +) user: a first turn
+            groups[member.key].append(member)
     if not groups:
         print("no fork groups of first turns")
         return
-    start = min(members[0][0] for members in groups.values())
+    start = min(group[0].at for group in groups.values())
     minutes: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for members in groups.values():
-        minute = minutes[int((members[0][0] - start).total_seconds() // 60)]
-        minute["client"] += [m[4] for m in members if m[2] is None]
-        drawn = [m for m in members if m[2] is not None and m[3] and None not in m[3]]
+    for group in groups.values():
+        minute = minutes[int((group[0].at - start).total_seconds() // 60)]
+        minute["client"] += [m.score for m in group if m.inclusion is None]
+        drawn = [(m, json.loads(m.logprobs)) for m in group if m.inclusion is not None and m.logprobs]
+        drawn = [(m, lps) for m, lps in drawn if lps and None not in lps]
         if drawn:
-            p = [math.exp(sum(m[3])) for m in drawn]
-            minute["head"].append(sum(pi for pi, m in zip(p, drawn, strict=True) if m[4] >= top))
+            p = [math.exp(sum(lps)) for _, lps in drawn]
+            minute["head"].append(sum(pi for pi, (m, _) in zip(p, drawn, strict=True) if m.score >= top))
             minute["mass"].append(sum(p))
-            minute["any"].append(float(any(m[4] >= top for m in drawn)))
-            minute["version"] += [float(m[1]) for m in drawn]
+            minute["any"].append(float(any(m.score >= top for m, _ in drawn)))
+            minute["version"] += [float(m.version) for m, _ in drawn]
 
     def mean(xs: list[float]) -> str:
         return f"{sum(xs) / len(xs):.2f}" if xs else "  - "
@@ -72,17 +87,17 @@ def per_minute(rows: list[tuple], top: float) -> None:
               f"{mean(d['any']):>7}  {versions}")
 
 
-def pairs_by_depth(rows: list[tuple], candidate: int, baseline: int) -> None:
-    first: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
-    for key, _, n_messages, version, inclusion, _, score in rows:
-        if inclusion is None and version in (candidate, baseline):
-            first[(key, n_messages)].setdefault(version, score)
-    by_length: dict[int, list[float]] = defaultdict(list)
+def pairs_by_turn(members: list[Member], candidate: int, baseline: int) -> None:
+    first: dict[tuple[str, int | None], dict[int, float]] = defaultdict(dict)
+    for m in members:
+        if m.inclusion is None and m.version in (candidate, baseline):
+            first[(m.key, m.n_messages)].setdefault(m.version, m.score)
+    by_length: dict[int | None, list[float]] = defaultdict(list)
     for (_, n_messages), scores in first.items():
         if candidate in scores and baseline in scores:
             by_length[n_messages].append(scores[candidate] - scores[baseline])
     everything = [d for ds in by_length.values() for d in ds]
-    for n_messages, ds in sorted(by_length.items()):
+    for n_messages, ds in sorted(by_length.items(), key=lambda item: item[0] or 0):
         print(f"context of {n_messages} messages: {len(ds)} pairs, mean difference {sum(ds) / len(ds):+.3f}, "
               f"{sum(1 for d in ds if d) / len(ds):.0%} not tied")
     if everything:
@@ -98,10 +113,10 @@ def main() -> None:
     if not args.store.is_file():
         parser.error(f"no store at {args.store}")
     with duckdb.connect(str(args.store), read_only=True) as db:
-        rows = db.execute(_MEMBERS).fetchall()
-    per_minute(rows, args.top)
+        members = [Member(*row) for row in db.execute(_MEMBERS).fetchall()]
+    per_minute(members, args.top)
     if args.pairs:
-        pairs_by_depth(rows, *args.pairs)
+        pairs_by_turn(members, *args.pairs)
 
 
 if __name__ == "__main__":
