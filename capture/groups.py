@@ -141,7 +141,8 @@ def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list
 
 def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: datetime | None) -> list[Group]:
     """One group per forked completion: the client's choice(s) plus the gateway's siblings; none for a turn of a
-    held-out conversation, so that its first request stays a context the promotion gate can use."""
+    held-out conversation, so that its first request stays a context the promotion gate can use. ``min_size`` and
+    ``max_size`` count the members a round trains on; a canary's pair sibling joins beyond them."""
     sibling = aliased(Turn)
     forked = select(sibling.completion_id).where(sibling.source == "fork")
     if since is not None:
@@ -159,9 +160,11 @@ def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: d
     formed: list[Group] = []
     rows: list[GroupMemberRow] = []
     for completion_id in fork_ids:
-        turns = by_completion[completion_id]
-        if len(turns) >= rules.min_size:
-            formed.append(_new_group(rows, "fork", completion_id, turns[0].alias, turns[: rules.max_size], now))
+        trained = [turn for turn in by_completion[completion_id] if not turn.canary_pair]
+        pairs = [turn for turn in by_completion[completion_id] if turn.canary_pair]  # judged with it, not trained
+        if len(trained) >= rules.min_size:
+            formed.append(_new_group(rows, "fork", completion_id, trained[0].alias,
+                                     trained[: rules.max_size] + pairs, now))
     _insert(session, formed, rows)
     return formed
 
@@ -292,9 +295,14 @@ def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup
     paths = {fork: branches(session, [m for g in groups if (g.source == "fork") == fork for m in members[g.id]],
                             single_turn=fork)
              for fork in (False, True)}  # apart: a forked turn's path is itself, the same leaf's elsewhere is not
-    return [TrainingGroup(group_id=group.id, source=group.source, alias=group.alias, members=[
-        _training_member(member, paths[group.source == "fork"][member.leaf_turn_id], rewards[group.id])
-        for member in members[group.id] if member.leaf_turn_id is not None]) for group in groups]
+    out: list[TrainingGroup] = []
+    for group in groups:
+        path_of = paths[group.source == "fork"]
+        kept = [(member, path_of[member.leaf_turn_id]) for member in members[group.id] if member.leaf_turn_id]
+        out.append(TrainingGroup(group_id=group.id, source=group.source, alias=group.alias, members=[
+            _training_member(member, path, rewards[group.id]) for member, path in kept
+            if not path[-1].canary_pair]))  # a canary's pair sibling is its evidence, not a sample to learn from
+    return out
 
 
 def _training_member(member: GroupMemberRow, turns: list[Turn], rewards: dict[str, float]) -> GroupMember:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 6  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 7  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -72,6 +72,7 @@ class Turn(SQLModel, table=True):
     completion_token_ids: list[int] | None = _json()
     completion_logprobs: list[float] | None = _json()
     inclusion_logprob: float | None = None  # a sibling drawn without replacement: log of its inclusion probability
+    canary_pair: bool | None = None  # a canary's other arm on a forked turn: scored and paired, never trained on
     prompt_tokens: int = 0
     completion_tokens: int = 0
     h_ctx: str

@@ -78,6 +78,12 @@ def _inclusion_logprob(connection: Any) -> None:
     connection.execute(text("ALTER TABLE turns ADD COLUMN inclusion_logprob FLOAT"))
 
 
+def _canary_pair(connection: Any) -> None:
+    """6 -> 7: a forked turn's sibling answered by the canary's other arm is marked: scored with its group and
+    paired by the canary, left out of training. Older turns keep null: their pair sibling trained with the rest."""
+    connection.execute(text("ALTER TABLE turns ADD COLUMN canary_pair BOOLEAN"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
@@ -85,7 +91,8 @@ MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version d
                                           4: ("linker: the tail rule's (answer, replied-to) index",
                                               _tail_evidence_index),
                                           5: ("forks: inclusion probabilities of siblings drawn without replacement",
-                                              _inclusion_logprob)}
+                                              _inclusion_logprob),
+                                          6: ("forks: the canary's pair sibling, left out of training", _canary_pair)}
 
 
 CONFLICT_RETRY_S = 5.0  # a job's transaction (forming groups, scoring) may hold a trajectory for a second or more

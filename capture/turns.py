@@ -152,6 +152,7 @@ def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list
             "completion_token_ids": None if redacted else completion_ids,
             "completion_logprobs": None if redacted else _sampled_logprobs(choice),
             "inclusion_logprob": choice.get("inclusion_logprob") if forked else None,
+            "canary_pair": True if other is not None and index == other[0] else None,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0),
             "completion_tokens": len(completion_ids) if completion_ids else single_choice_tokens,
             "h_ctx": h_ctx,

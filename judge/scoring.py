@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, update
 from sqlmodel import Session, col, select
@@ -65,7 +65,13 @@ def pending_groups(engine: Engine, alias: str | None = None, limit: int | None =
         return list(session.exec(query))
 
 
-JudgeInput = tuple[TrajectoryGroup, dict[str, float], str | None]
+class JudgeInput(NamedTuple):
+    """A group as the judge reads it: its members, their feedback rewards, the task key (for the rubric)."""
+
+    trajectories: TrajectoryGroup
+    feedback: dict[str, float]
+    task: str | None
+    canary_pairs: frozenset[str] = frozenset()  # members judged with the group but never trained on
 INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few per group
 WRITE_EVERY = 100  # judged groups written together
 
@@ -102,6 +108,8 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
         trajectories = []
         task = None
         paths = fork_paths if group.source == "fork" else other_paths
+        pairs = frozenset(m.trajectory_id for m in members_of[group.id]
+                          if m.leaf_turn_id is not None and paths[m.leaf_turn_id][-1].canary_pair)
         for member in members_of[group.id]:
             if member.leaf_turn_id is None:
                 continue
@@ -114,8 +122,8 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
         ids = {m.trajectory_id for m in members_of[group.id]}
         if group.source == "fork":
             ids = set()  # a conversation's feedback is not its forked turn's reward (module docstring)
-        out[group.id] = (TrajectoryGroup(trajectories=trajectories, id=group.id),
-                         {tid: reward for tid, reward in feedback.items() if tid in ids}, task)
+        out[group.id] = JudgeInput(TrajectoryGroup(trajectories=trajectories, id=group.id),
+                                   {tid: reward for tid, reward in feedback.items() if tid in ids}, task, pairs)
     return out
 
 
@@ -158,7 +166,7 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
                       semaphore: asyncio.Semaphore, cache: JudgeCache,
                       hook: RewardHook | None = None) -> list[dict[str, Any]] | None:
     """Judge one group (read by ``groups_for_judge``): its score rows, or None when the judge or hook failed."""
-    trajectories, feedback, task = judge_input
+    trajectories, feedback, task, _ = judge_input
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
     scored: TrajectoryGroup | None = None
@@ -181,7 +189,7 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
 
 def judge_cache_key(group: Group, judge_input: JudgeInput, config: JudgeConfig) -> str:
     """The judge cache's key of ``group`` as :func:`judge_group` asks the judge about it."""
-    trajectories, _, task = judge_input
+    trajectories, _, task, _ = judge_input
     return group_cache_key(trajectories, config.model, resolve_rubric(config.rubrics, group.alias, task),
                            extra_litellm_params=config.extra_litellm_params)
 
@@ -204,21 +212,24 @@ def reward_rows(group_id: str, group: TrajectoryGroup, judge_model: str | None, 
     return rows
 
 
-def teaches_nothing(rows: list[dict[str, Any]]) -> bool:
-    """Whether a group's final rewards are all equal: GRPO's advantages are then all zero."""
-    return len({row["value"] for row in rows if row["source"] == "reward"}) < 2
+def teaches_nothing(rows: list[dict[str, Any]], left_out: frozenset[str] = frozenset()) -> bool:
+    """Whether a group's final rewards are all equal, ``left_out`` (a canary's pair, never trained on) aside: GRPO's
+    advantages are then all zero."""
+    return len({row["value"] for row in rows
+                if row["source"] == "reward" and row["trajectory_id"] not in left_out}) < 2
 
 
-def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]]]],
+def _store_rewards(engine: Engine, judged: list[tuple[str, list[dict[str, Any]], bool]],
                    answers: list[dict[str, Any]]) -> None:
-    """The judge's new answers (the cache's rows), the judged groups' final rewards and their status, in one
-    transaction: ``scored``, or ``untrainable`` when the rewards are all equal, so that a round's ``max_groups``
-    and the loop's ``min_groups`` count only groups a round can learn from."""
+    """The judge's new answers (the cache's rows), the judged groups' final rewards and their status (each judged
+    group's third item: whether it teaches nothing), in one transaction: ``scored``, or ``untrainable`` when the
+    rewards are all equal, so that a round's ``max_groups`` and the loop's ``min_groups`` count only groups a round
+    can learn from."""
     with Session(engine) as session:
         bulk_insert(session, Score, answers)
-        bulk_insert(session, Score, [row for _, rows in judged for row in rows])  # the ORM writes row by row
+        bulk_insert(session, Score, [row for _, rows, _ in judged for row in rows])  # the ORM writes row by row
         for status in ("scored", "untrainable"):
-            ids = [group_id for group_id, rows in judged if teaches_nothing(rows) == (status == "untrainable")]
+            ids = [group_id for group_id, _, nothing in judged if nothing == (status == "untrainable")]
             for chunk in chunks(ids, 500):
                 session.execute(update(Group).where(col(Group.id).in_(chunk)).values(status=status))
         session.commit()
@@ -245,13 +256,13 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
     elif config.enabled:  # every group's stored answer in one read, not one read per group
         await asyncio.to_thread(cache.prefetch, [judge_cache_key(g, inputs[g.id], config) for g in groups])
 
-    judged: list[tuple[str, list[dict[str, Any]]]] = []  # written together: a transaction per run, not per group
+    judged: list[tuple[str, list[dict[str, Any]], bool]] = []  # written together: a transaction per run, not per group
 
     async def one(group: Group) -> None:
         rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache, hook)
         ok = rows is not None
         if rows is not None:
-            judged.append((group.id, rows))
+            judged.append((group.id, rows, teaches_nothing(rows, inputs[group.id].canary_pairs)))
             if len(judged) >= WRITE_EVERY:  # a long run (a backlog) keeps what it judged as it goes
                 batch = judged[:]
                 judged.clear()

@@ -89,6 +89,7 @@ ADDED_BY: dict[int, dict[str, Any]] = {
     4: {"columns": {"turns": {"h_answer", "h_replied_to", "link_rule", "parent_message_index", "history_edits"},
                     "trajectories": {"parent_trajectory_id"}}},
     6: {"columns": {"turns": {"inclusion_logprob"}}},
+    7: {"columns": {"turns": {"canary_pair"}}},
 }
 
 

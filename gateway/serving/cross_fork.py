@@ -5,9 +5,11 @@ A forked turn (``fork_fraction``, ``X-Flywheel-Fork``) asks the engine for the c
 of sibling come from another version, each one more engine request on the side: the client's answer
 never waits for it, and a failed one is logged and left out of the group.
 
-- During a canary the last sibling comes from the other arm (the candidate when the conversation is
+- During a canary one sibling more comes from the other arm (the candidate when the conversation is
   on the serving version, and the other way round), so every such group holds both versions on one
-  context, judged in one call: the canary's best pair (``gateway/serving/loop/abtest.py``).
+  context, judged in one call: the canary's best pair (``gateway/serving/loop/abtest.py``). It is
+  stored as the canary's pair (``turns.canary_pair``) and left out of training: the round learns from
+  the client's answer and the ``fork_k`` siblings, as when no canary runs.
 - With ``groups.fork_from = "head"`` the other siblings come from the training line's head, so the
   next round learns from samples of the policy it trains on (docs/loop.md, "Forks from the head").
 

@@ -170,8 +170,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             client_n = int(body.get("n") or 1)
             asks = replace(asks, choices=client_n)
             siblings = plan.fork_k
-            if canary is not None:  # the last sibling from the other version: a same-context pair for the canary
-                siblings -= 1
+            if canary is not None:  # one more, from the other version: the canary's same-context pair, not trained on
                 other = state.router.get(alias) if served is canary.served else canary.served
                 sides.append(CrossFork.start(to_engine, other, client_n + siblings))
             head = state.router.explorers.get(alias)
