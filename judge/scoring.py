@@ -52,6 +52,7 @@ class ScoringSummary:
     trajectories: int = 0
     seconds: float = 0.0
     failed_group_ids: list[str] = field(default_factory=list)
+    fork_taught: list[tuple[str, int, bool]] = field(default_factory=list)  # (alias, position, did not tie) per fork
 
 
 def pending_groups(engine: Engine, alias: str | None = None, limit: int | None = None) -> list[Group]:
@@ -72,6 +73,7 @@ class JudgeInput(NamedTuple):
     feedback: dict[str, float]
     task: str | None
     canary_pairs: frozenset[str] = frozenset()  # members judged with the group but never trained on
+    position: int | None = None  # a fork group's turn: the assistant messages before it
 INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few per group
 WRITE_EVERY = 100  # judged groups written together
 
@@ -122,8 +124,13 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
         ids = {m.trajectory_id for m in members_of[group.id]}
         if group.source == "fork":
             ids = set()  # a conversation's feedback is not its forked turn's reward (module docstring)
+        leaves = [m.leaf_turn_id for m in members_of[group.id] if m.leaf_turn_id is not None]
+        position = None  # a fork group's members share one context: its assistant messages say which turn it is
+        if group.source == "fork" and leaves:
+            position = sum(m.get("role") == "assistant" for m in paths[leaves[0]][-1].request_messages or [])
         out[group.id] = JudgeInput(TrajectoryGroup(trajectories=trajectories, id=group.id),
-                                   {tid: reward for tid, reward in feedback.items() if tid in ids}, task, pairs)
+                                   {tid: reward for tid, reward in feedback.items() if tid in ids}, task, pairs,
+                                   position)
     return out
 
 
@@ -166,7 +173,7 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
                       semaphore: asyncio.Semaphore, cache: JudgeCache,
                       hook: RewardHook | None = None) -> list[dict[str, Any]] | None:
     """Judge one group (read by ``groups_for_judge``): its score rows, or None when the judge or hook failed."""
-    trajectories, feedback, task, _ = judge_input
+    trajectories, feedback, task = judge_input.trajectories, judge_input.feedback, judge_input.task
     rubric = resolve_rubric(config.rubrics, group.alias, task)
     judge_model: str | None = config.model
     scored: TrajectoryGroup | None = None
@@ -189,7 +196,7 @@ async def judge_group(group: Group, judge_input: JudgeInput, config: JudgeConfig
 
 def judge_cache_key(group: Group, judge_input: JudgeInput, config: JudgeConfig) -> str:
     """The judge cache's key of ``group`` as :func:`judge_group` asks the judge about it."""
-    trajectories, _, task, _ = judge_input
+    trajectories, task = judge_input.trajectories, judge_input.task
     return group_cache_key(trajectories, config.model, resolve_rubric(config.rubrics, group.alias, task),
                            extra_litellm_params=config.extra_litellm_params)
 
@@ -262,7 +269,10 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
         rows = await judge_group(group, inputs[group.id], config, policy, semaphore, cache, hook)
         ok = rows is not None
         if rows is not None:
-            judged.append((group.id, rows, teaches_nothing(rows, inputs[group.id].canary_pairs)))
+            nothing = teaches_nothing(rows, inputs[group.id].canary_pairs)
+            judged.append((group.id, rows, nothing))
+            if (position := inputs[group.id].position) is not None:
+                summary.fork_taught.append((group.alias, position, not nothing))
             if len(judged) >= WRITE_EVERY:  # a long run (a backlog) keeps what it judged as it goes
                 batch = judged[:]
                 judged.clear()

@@ -23,6 +23,7 @@ from flywheel.capture.models import Group, Score
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import load_settings
 from flywheel.gateway.core.processes import free_port
+from flywheel.gateway.serving.fork_yield import MIN_SEEN
 from flywheel.judge.scoring import groups_for_judge, judge_cache_key
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
@@ -113,6 +114,42 @@ def test_fork_turns_first_forks_a_conversations_first_turn_only(
     client.chat.completions.create(model="gpt-4o", messages=later, extra_headers={"X-Flywheel-Fork": "2"})
     assert upstream.requests[-1].get("n") == 3  # the header forks any turn
     gateway.stop()
+
+
+def done_later(body: dict[str, Any]) -> Reply:
+    """A conversation's later turn ("then?") is answered "done"; a first one as :func:`answer` does."""
+    return Reply(content="done") if body["messages"][-1]["content"] == "then?" else answer(body)
+
+
+def later_turns_tie(block: str) -> float:
+    """The judge's reward: every "done" ties at 0; a first turn's sibling beats the client's answer."""
+    return float("sample" in block and "done" not in block)
+
+
+def test_fork_turns_untied_forks_a_turn_position_whose_groups_tie_at_the_floor(tmp_path: Path) -> None:
+    with ScriptedOpenAI(reply=done_later) as upstream, ScriptedJudge(scorer=later_turns_tie) as judge:
+        gateway = start(tmp_path, upstream, judge, extra="[loop]\nenabled = false\n",
+                        groups_lines='fork_fraction = 1.0\nfork_k = 2\nfork_turns = "untied"\n')
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+
+        def ask(n: int, later: bool) -> bool:
+            """Ask a first or a later turn; whether the gateway forked it."""
+            messages = [{"role": "user", "content": f"question {n}"}]
+            if later:
+                messages += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "then?"}]
+            client.chat.completions.create(model="agent", messages=messages)
+            return bool(upstream.requests[-1].get("n", 1) == 3)
+
+        assert all(ask(n, later) for n in range(MIN_SEEN) for later in (False, True))  # nothing seen yet: all
+        admin = {"headers": ADMIN, "timeout": 60}
+        httpx.post(f"{gateway.url}/flywheel/v1/loop/run", json={"job": "form_groups"}, **admin).raise_for_status()
+        scored = httpx.post(f"{gateway.url}/flywheel/v1/loop/run", json={"job": "score", "alias": "agent"}, **admin)
+        assert scored.json()["counts"]["scored"] == 2 * MIN_SEEN
+        first = [ask(n, later=False) for n in range(MIN_SEEN, MIN_SEEN + 20)]
+        later = [ask(n, later=True) for n in range(MIN_SEEN, MIN_SEEN + 60)]
+        gateway.stop()
+    assert all(first)  # every first-turn group taught something: still forked every time
+    assert 0 < sum(later) <= 20  # FLOOR (10%) of 60: a tied position is still looked at, now and then
 
 
 class RewardEndpoint:

@@ -201,8 +201,9 @@ class GroupsConfig(BaseModel):
     fork_fraction: float = Field(default=0.0, ge=0, le=1)  # share of captured chat turns forked
     fork_k: int = Field(default=3, ge=1, le=16)  # extra samples per forked turn
     # "first": fork_fraction forks only a conversation's first turn (no assistant message yet), where an agent
-    # whose later turns follow from its first decides; X-Flywheel-Fork forks any turn either way
-    fork_turns: Literal["all", "first"] = "all"
+    # whose later turns follow from its first decides; "untied": each turn position at the share of its recent
+    # fork groups that did not tie (gateway/serving/fork_yield.py); X-Flywheel-Fork forks any turn either way
+    fork_turns: Literal["all", "first", "untied"] = "all"
     # "head": the siblings come from the training line's head, so a round learns from the policy it trains
     fork_from: Literal["serving", "head"] = "serving"
     # "without_replacement": the siblings are distinct, drawn by stochastic beam search where the engine can

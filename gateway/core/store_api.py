@@ -89,6 +89,7 @@ class ScoreCounts(BaseModel):
     trajectories: int = 0
     seconds: float = 0.0
     failed_group_ids: list[str] = Field(default_factory=list)
+    fork_taught: list[tuple[str, int, bool]] = Field(default_factory=list)  # per fork group: alias, turn, untied
 
 
 class Pending(BaseModel):

@@ -62,8 +62,9 @@ def flywheel_headers(request: Request) -> dict[str, str]:
 
 def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, *, endpoint: str,
                  served: ServedModel, requested_model: str, client_key_id: str | None,
-                 started: float, first_turn: bool = True) -> CapturePlan | None:
-    """None when this request is not to be captured (header, config default, sampling)."""
+                 started: float, position: int = 0, fork_share: float = 1.0) -> CapturePlan | None:
+    """None when this request is not to be captured (header, config default, sampling). ``position``: the
+    assistant messages before this turn; ``fork_share``: the share of ``fork_fraction`` its position gets."""
     headers = flywheel_headers(request)
     switch = (headers.get("capture") or "").strip().lower()
     if switch in ("off", "0", "false", "no"):
@@ -75,18 +76,19 @@ def plan_capture(request: Request, config: CaptureConfig, groups: GroupsConfig, 
                        client_key_id=client_key_id, started_at=datetime.now(UTC), started=started,
                        trajectory_id=headers.get("trajectory-id") or None, task=headers.get("task") or None,
                        group_id=headers.get("group-id") or None,
-                       fork_k=fork_count(headers.get("fork"), groups, first_turn) if endpoint == "chat.completions"
-                       else 0,
+                       fork_k=fork_count(headers.get("fork"), groups, position, fork_share)
+                       if endpoint == "chat.completions" else 0,
                        parent_trajectory_id=headers.get("parent-trajectory-id") or None)
 
 
-def fork_count(header: str | None, groups: GroupsConfig, first_turn: bool = True) -> int:
+def fork_count(header: str | None, groups: GroupsConfig, position: int = 0, share: float = 1.0) -> int:
     """Extra samples to draw: ``X-Flywheel-Fork: k`` or, for a ``fork_fraction`` of turns (of first turns only
-    with ``fork_turns = "first"``), ``fork_k``."""
+    with ``fork_turns = "first"``; ``share`` of that with ``"untied"``), ``fork_k``."""
     if header is not None:
         if not header.strip().isdigit() or not 0 <= int(header) <= 16:
             raise BadRequest("Invalid value for 'X-Flywheel-Fork': an integer from 0 to 16", param="X-Flywheel-Fork")
         return int(header)
-    if groups.fork_turns == "first" and not first_turn:
+    if groups.fork_turns == "first" and position:
         return 0
-    return groups.fork_k if groups.fork_fraction and random.random() < groups.fork_fraction else 0
+    rate = groups.fork_fraction * (share if groups.fork_turns == "untied" else 1.0)
+    return groups.fork_k if rate and random.random() < rate else 0

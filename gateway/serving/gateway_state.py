@@ -16,13 +16,15 @@ from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.metrics import GatewayMetrics
 from flywheel.gateway.core.store_api import StoreApi
 from flywheel.gateway.serving.engines.base import Engine
+from flywheel.gateway.serving.fork_yield import ForkYield
 from flywheel.gateway.serving.routing import ModelRouter
 from flywheel.gateway.serving.store_link import StoreLink
 
 
 @dataclass
 class GatewayState:
-    """Settings, engines, router, auth, metrics, the link to the store process and the store interface over it."""
+    """Settings, engines, router, auth, metrics, the link to the store process and the store interface over it,
+    and what forking taught (``fork_turns = "untied"``)."""
 
     settings: Settings
     engines: dict[str, Engine]
@@ -31,6 +33,7 @@ class GatewayState:
     store_link: StoreLink
     store: StoreApi
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    fork_yield: ForkYield = field(default_factory=ForkYield)  # what forking each turn position taught (scoring)
     started_at: int = 0
 
     @staticmethod

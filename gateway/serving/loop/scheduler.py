@@ -302,9 +302,11 @@ class Loop:
     async def score(self, alias: str | None) -> Outcome:
         summary = await self.state.store.score(alias)
         if not summary.groups:
-            return Outcome("idle", "no closed groups", summary.model_dump())
+            return Outcome("idle", "no closed groups", summary.model_dump(exclude={"fork_taught"}))
+        for group_alias, position, taught in summary.fork_taught:  # where forking teaches (fork_turns = "untied")
+            self.state.fork_yield.record(group_alias, position, taught)
         return Outcome("ok", f"scored {summary.scored}/{summary.groups} groups, {summary.failed} failed",
-                       summary.model_dump(exclude={"failed_group_ids"}))
+                       summary.model_dump(exclude={"failed_group_ids", "fork_taught"}))
 
     async def train(self, alias: str | None) -> Outcome:
         assert alias is not None

@@ -161,10 +161,11 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             served = canary.served if on_candidate else served
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
+        position = 0 if endpoint is Endpoint.COMPLETIONS else \
+            sum(m.get("role") == "assistant" for m in body["messages"])
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
                             served=served, requested_model=body["model"], client_key_id=key_id, started=started,
-                            first_turn=endpoint is Endpoint.COMPLETIONS
-                            or not any(m.get("role") == "assistant" for m in body["messages"]))
+                            position=position, fork_share=state.fork_yield.share(alias, position))
         sides: list[CrossFork] = []
         if plan is not None and plan.fork_k:  # k extra samples of the same context; the client sees its n
             client_n = int(body.get("n") or 1)
