@@ -23,7 +23,7 @@ from flywheel.capture.models import Group, Score
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import load_settings
 from flywheel.gateway.core.processes import free_port
-from flywheel.gateway.serving.fork_yield import MIN_SEEN
+from flywheel.gateway.serving.fork_yield import FLOOR, MIN_SEEN
 from flywheel.judge.scoring import groups_for_judge, judge_cache_key
 from tests.gateway_process import GatewayProcess
 from tests.scripted_judge import ScriptedJudge
@@ -147,7 +147,9 @@ def test_fork_turns_untied_forks_a_turn_position_whose_groups_tie_at_the_floor(t
         assert scored.json()["counts"]["scored"] == 2 * MIN_SEEN
         first = [ask(n, later=False) for n in range(MIN_SEEN, MIN_SEEN + 20)]
         later = [ask(n, later=True) for n in range(MIN_SEEN, MIN_SEEN + 60)]
+        shown = httpx.get(f"{gateway.url}/flywheel/v1/status", **admin).json()["aliases"][0]["fork_shares"]
         gateway.stop()
+    assert shown == {"0": 1.0, "1": FLOOR}  # the status says how often each turn position is forked
     assert all(first)  # every first-turn group taught something: still forked every time
     assert 0 < sum(later) <= 20  # FLOOR (10%) of 60: a tied position is still looked at, now and then
 

@@ -40,3 +40,7 @@ class ForkYield:
         if seen is None or len(seen) < MIN_SEEN:
             return 1.0
         return max(FLOOR, sum(seen) / len(seen))
+
+    def shares(self, alias: str) -> dict[str, float]:
+        """Each position of ``alias`` seen so far and its share, by position as text (a JSON object's keys)."""
+        return {str(position): self.share(alias, position) for name, position in sorted(self.taught) if name == alias}

@@ -86,6 +86,7 @@ async def alias_status(state: GatewayState, alias: str, loop: Loop) -> dict[str,
                    "ab": ((flight.gate if flight else None) or {}).get("online")} if canary else None,
         "monitor": ((rows.serving.gate if rows.serving else None) or {}).get("monitor"),
         "forks_from": {"version": head.version, "adapter": head.adapter} if head else None,  # else: the serving one
+        "fork_shares": state.fork_yield.shares(alias),  # fork_turns = "untied": each turn position's share
         "pending": await store.pending(alias),
         "jobs": await last_runs(state, alias, loop),
         "reward_by_version": (await store.reward_by_version(alias)).model_dump(exclude_none=True),
