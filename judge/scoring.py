@@ -7,7 +7,7 @@ answer (one ``source = "hook"`` row per member) — the latest client feedback o
 combined with that score under the reward policy, and one ``scores`` row with ``source =
 "reward"`` per member records the final reward the trainer uses (``explanation`` starts with
 where it came from). The group's status becomes ``scored`` (``untrainable`` when its final rewards
-are all equal: nothing for GRPO to learn). A group whose judge or hook call
+are all equal, a canary's pair sibling aside: nothing for GRPO to learn). A group whose judge or hook call
 fails after its retries stays ``closed`` and is tried again by the next run.
 
 A fork group's members are turns, not conversations: they are scored by the judge or hook
@@ -109,14 +109,18 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
     for group in groups:
         trajectories = []
         task = None
+        pairs: set[str] = set()
+        position = None  # a fork group's members share one context: its assistant messages say which turn it is
         paths = fork_paths if group.source == "fork" else other_paths
-        pairs = frozenset(m.trajectory_id for m in members_of[group.id]
-                          if m.leaf_turn_id is not None and paths[m.leaf_turn_id][-1].canary_pair)
         for member in members_of[group.id]:
             if member.leaf_turn_id is None:
                 continue
             turns = paths[member.leaf_turn_id]
             task = task or turns[0].task_key
+            if turns[-1].canary_pair:
+                pairs.add(member.trajectory_id)
+            if group.source == "fork" and position is None:
+                position = sum(m.get("role") == "assistant" for m in turns[-1].request_messages or [])
             messages = member_messages(session, member.trajectory_id, turns) \
                 if member.trajectory_id in parents else branch_messages(turns)
             trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,
@@ -124,13 +128,9 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
         ids = {m.trajectory_id for m in members_of[group.id]}
         if group.source == "fork":
             ids = set()  # a conversation's feedback is not its forked turn's reward (module docstring)
-        leaves = [m.leaf_turn_id for m in members_of[group.id] if m.leaf_turn_id is not None]
-        position = None  # a fork group's members share one context: its assistant messages say which turn it is
-        if group.source == "fork" and leaves:
-            position = sum(m.get("role") == "assistant" for m in paths[leaves[0]][-1].request_messages or [])
         out[group.id] = JudgeInput(TrajectoryGroup(trajectories=trajectories, id=group.id),
-                                   {tid: reward for tid, reward in feedback.items() if tid in ids}, task, pairs,
-                                   position)
+                                   {tid: reward for tid, reward in feedback.items() if tid in ids}, task,
+                                   frozenset(pairs), position)
     return out
 
 
