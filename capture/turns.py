@@ -96,6 +96,11 @@ class PreparedTurn:
                    parent_trajectory_id=data.get("parent_trajectory_id"))  # absent in older spools
 
 
+def turn_position(messages: list[dict[str, Any]]) -> int:
+    """Which turn of its conversation a request asks for: the assistant messages before it (0: the first)."""
+    return sum(m.get("role") == "assistant" for m in messages)
+
+
 def prepare_turns(exchange: CapturedExchange, redactor: Redactor | None) -> list[PreparedTurn]:
     """One :class:`PreparedTurn` per choice of the response, from the exchange with every text redacted."""
     redaction = redact_exchange(exchange, redactor)

@@ -34,7 +34,7 @@ from flywheel.capture.models import Feedback, Group, Score, utcnow
 from flywheel.capture.models import GroupMember as GroupMemberRow
 from flywheel.capture.store import bulk_insert
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
-from flywheel.capture.turns import new_id
+from flywheel.capture.turns import new_id, turn_position
 from flywheel.judge.cache import JudgeCache
 from flywheel.judge.hook import RewardHook, RewardHookError, load_reward_hook, split_answer
 from flywheel.judge.rewards import InvalidFeedbackError, RewardPolicy, apply_rewards, feedback_reward
@@ -74,6 +74,8 @@ class JudgeInput(NamedTuple):
     task: str | None
     canary_pairs: frozenset[str] = frozenset()  # members judged with the group but never trained on
     position: int | None = None  # a fork group's turn: the assistant messages before it
+
+
 INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few per group
 WRITE_EVERY = 100  # judged groups written together
 
@@ -120,7 +122,7 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
             if turns[-1].canary_pair:
                 pairs.add(member.trajectory_id)
             if group.source == "fork" and position is None:
-                position = sum(m.get("role") == "assistant" for m in turns[-1].request_messages or [])
+                position = turn_position(turns[-1].request_messages or [])
             messages = member_messages(session, member.trajectory_id, turns) \
                 if member.trajectory_id in parents else branch_messages(turns)
             trajectories.append(Trajectory(messages_and_choices=messages, tools=turns[-1].tools,

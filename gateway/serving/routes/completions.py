@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from flywheel.capture.assembler import StreamAssembler
-from flywheel.capture.turns import CapturedExchange
+from flywheel.capture.turns import CapturedExchange, turn_position
 from flywheel.gateway.core.errors import OpenAIError, UpstreamError
 from flywheel.gateway.core.http import read_body
 from flywheel.gateway.core.openapi import ERRORS, json_body
@@ -161,8 +161,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             served = canary.served if on_candidate else served
         asks = ClientAsks.of(body, endpoint)
         to_engine = engine_request(body, served, endpoint)
-        position = 0 if endpoint is Endpoint.COMPLETIONS else \
-            sum(m.get("role") == "assistant" for m in body["messages"])
+        position = 0 if endpoint is Endpoint.COMPLETIONS else turn_position(body["messages"])
         plan = plan_capture(request, state.settings.capture, state.settings.groups, endpoint=endpoint.value,
                             served=served, requested_model=body["model"], client_key_id=key_id, started=started,
                             position=position, fork_share=state.fork_yield.share(alias, position))
