@@ -213,6 +213,7 @@ def test_the_adapter_directory_is_complete_self_describing_and_vllm_loadable(tra
     record = adapters.read_round_file(out)
     assert record["version"] == 1 and record["alias"] == "agent"
     assert record["config"]["args"]["learning_rate"] == 1e-2 and record["config"]["trl"]["num_generations"] == 4
+    assert record["config"]["trl"]["activation_checkpointing"] is False  # TRL's GRPOConfig would turn it on
     assert record["data"]["counts"] == {"groups_in": 3, "members_in": 12, "groups_trained": 3,
                                         "sequences_trained": 12}
     assert {g["group_id"] for g in record["data"]["groups"]} == {"q0", "q1", "tool"}
@@ -386,7 +387,9 @@ def test_a_token_budget_trims_padding_and_the_reference_runs_once_per_sequence(t
     groups = [answer_group(trained.tokenizer, base, QUESTIONS[0], "q0"), tool_group(trained.tokenizer, base)]
     results, counts = {}, {}
     for budget in (None, 64):  # 64 tokens: the two-turn tool sequences (~60) alone, the short answers together
-        args = GRPOArgs.tiny(num_train_epochs=2, beta=0.04, max_tokens_per_micro_batch=budget, progress=False)
+        # rows counted one by one: a shared prompt prefix would pass the layers as one more row (test_shared_prefix.py)
+        args = GRPOArgs.tiny(num_train_epochs=2, beta=0.04, max_tokens_per_micro_batch=budget, progress=False,
+                             share_prompt_prefix=False)
         with reference_rows() as rows:  # a global hook: it sees the model the round builds
             results[budget] = train_round(trained.tiny, groups, args, out_dir=tmp_path / str(budget))
         counts[budget] = set(rows.values())

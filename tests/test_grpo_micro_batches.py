@@ -47,7 +47,8 @@ def make_trainer(tiny_model: Path, loss_type: str = "dapo", level: str = "token"
                         bf16=False, disable_tqdm=True, per_device_train_batch_size=4, num_generations=4,
                         gradient_accumulation_steps=1, max_completion_length=8, mask_truncated_completions=False,
                         temperature=0.7, loss_type=loss_type, importance_sampling_level=level, beta=beta,
-                        epsilon_high=1.1 if loss_type == "cispo" else 0.28, remove_unused_columns=False)
+                        epsilon_high=1.1 if loss_type == "cispo" else 0.28, remove_unused_columns=False,
+                        activation_checkpointing=False)  # as train_round passes it
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
                       init_lora_weights=zero_lora_b)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
@@ -133,12 +134,20 @@ def test_a_micro_batch_in_budget_pieces_has_the_loss_and_gradients_of_the_whole(
     # order than the whole's, ~1e-16 becomes ~1e-7 relative. Ragged prompts always do (trimming a piece's left
     # padding moves its tokens, and the RoPE angles are float32); same prompts do where BLAS picks its kernel by the
     # batch's shape (a 16-core CPU did; a 2-core one gives the same bits).
-    rtol, atol = 1e-5, 1e-7
-    torch.testing.assert_close(pieces.detach(), whole.detach(), rtol=rtol, atol=atol)
-    assert grads.keys() == whole_grads.keys() and len(grads) == 2 * 3 * 2
+    torch.testing.assert_close(pieces.detach(), whole.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads, whole_grads)
+
+
+def assert_same_grads(grads: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Equal LoRA gradients, each entry within 1e-4 of its tensor's largest: entries that nearly cancel keep only
+    the float32 rounding of the fused head's logprobs (a 2-core CPU saw 1.4e-7 on an entry of 2.8e-4)."""
+    import torch
+
+    assert grads.keys() == expected.keys() and len(grads) == 2 * 3 * 2
     for name, grad in grads.items():
-        assert float(grad.abs().max()) > 0, name
-        torch.testing.assert_close(grad, whole_grads[name], rtol=1e-4, atol=atol,
+        scale = float(expected[name].abs().max())
+        assert float(grad.abs().max()) > 0 and scale > 0, name
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-4 * scale,
                                    msg=lambda message, name=name: f"{name}: {message}")
 
 

@@ -100,11 +100,6 @@ def _generation_steps(args: GRPOArgs, micro_batches: int, accumulation: int) -> 
     return {"steps_per_generation": per_step * (micro_batches // accumulation)}
 
 
-def _checkpointing(args: GRPOArgs) -> dict[str, Any]:
-    # transformers 5 warns that gradient_checkpointing is deprecated whenever it is passed: pass it only when on.
-    return {"gradient_checkpointing": True} if args.gradient_checkpointing else {}
-
-
 def _optimizer_param_names(trainer: Any) -> list[list[str]]:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     return [[names.get(id(p), "?") for p in group["params"]] for group in trainer.optimizer.param_groups]
@@ -288,7 +283,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
             **_micro_batches(args, per_device, accumulation), **_generation_steps(args, micro_batches, accumulation),
-            **_checkpointing(args),
+            activation_checkpointing=args.gradient_checkpointing,  # TRL's GRPOConfig defaults it to on
             num_generations=g, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations,
@@ -304,7 +299,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
                 model=model, reward_funcs=[passthrough_reward], args=trl_config, train_dataset=dataset,
                 processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
                 max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, proximal_policy=args.proximal_policy,
-                behaviour_weight_cap=args.behaviour_weight_cap)
+                behaviour_weight_cap=args.behaviour_weight_cap, share_prompt_prefix=args.share_prompt_prefix)
         if not args.progress:  # without a progress bar the HF Trainer prints every log dict instead
             from transformers import PrinterCallback
 
@@ -356,7 +351,7 @@ _TRL_KEYS = {"learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay
              "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
              "generation_batch_size", "num_generations", "max_completion_length", "temperature", "loss_type",
              "importance_sampling_level", "epsilon", "epsilon_high", "beta", "num_iterations", "scale_rewards",
-             "mask_truncated_completions", "bf16", "tf32", "use_cpu", "seed", "gradient_checkpointing", "optim"}
+             "mask_truncated_completions", "bf16", "tf32", "use_cpu", "seed", "activation_checkpointing", "optim"}
 
 
 def _versions() -> dict[str, str]:

@@ -78,6 +78,9 @@ class GRPOArgs:
     """token budget: each optimizer step's sequences are trained in length-bucketed pieces of at most this many
     forwarded tokens (rows x padded width), padding trimmed per piece; None: TRL's micro-batches of
     per_device_train_batch_size sequences padded to the longest of the step (docs/trainer.md)"""
+    share_prompt_prefix: bool = True
+    """forward the prompt tokens a micro-batch's rows all begin with once, not once per row (same logprobs and
+    gradients up to rounding: trainer/shared_prefix.py)"""
 
     # data: groups -> samples
     num_generations: int | None = None

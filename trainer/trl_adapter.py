@@ -10,8 +10,9 @@ we add, as overrides of its methods (wrappers, nothing copied):
   ``kl``, ...; TRL's names, which the round report reads) into TRL's log line.
 - ``_generate_and_score_completions`` (private): hands the rollout its rows, puts our advantages
   and the captured behaviour logprobs into the batch, keeps the reference logprobs once a round.
-- ``_get_per_token_logps_and_entropies`` (private): counts forwarded tokens and pieces TRL's own
-  whole-batch forwards under the token budget.
+- ``_get_per_token_logps_and_entropies`` (private): counts forwarded tokens, pieces TRL's own
+  whole-batch forwards under the token budget, and forwards the prompt prefix a chunk's rows share
+  once (``trainer/shared_prefix.py``).
 
 tests/test_trl_contract.py fails, saying what changed, when TRL's private methods stop being what
 these overrides expect; tests/test_grpo_loss.py holds our loss equal to TRL's ``_compute_loss``.
@@ -26,6 +27,7 @@ from typing import Any, cast
 
 from flywheel.trainer.grpo_loss import LOSS_TYPES, approx_kl, diagnostic_weights, grpo_loss, masked_mean, piece_weight
 from flywheel.trainer.sample_plan import CapturedRollout, take_rows, token_budget_pieces
+from flywheel.trainer.shared_prefix import MIN_SHARED_TOKENS, shared_prefix_forward, shared_prefix_length
 
 _FORWARD_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")  # the rest: multimodal tensors
 
@@ -83,12 +85,14 @@ def captured_trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, max_tokens_per_micro_batch: int | None = None,
-                     proximal_policy: str = "round", behaviour_weight_cap: float = 3.0, **kwargs: Any) -> None:
+                     proximal_policy: str = "round", behaviour_weight_cap: float = 3.0,
+                     share_prompt_prefix: bool = False, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             refused = unsupported_loss_options(self.args)
             if refused:
                 raise ValueError(f"trainer/grpo_loss.py does not implement these GRPOConfig options: {refused}")
             self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+            self.share_prompt_prefix = share_prompt_prefix
             self.advantage_diffs: list[float] = []
             self.reference_logps: dict[int, Any] = {}  # sample index -> log pi_ref of its completion, once a round
             self.proximal_policy = proximal_policy  # round | behaviour: what the ratio is taken against (GRPOArgs)
@@ -274,10 +278,39 @@ def captured_trainer_class() -> type:
                                                logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
             budget = self.max_tokens_per_micro_batch
             text_only = not args and all(v is None for k, v in kwargs.items() if k not in _FORWARD_OPTIONS)
-            if budget is None or input_ids.numel() <= budget or not text_only:
+            if not text_only or kwargs.get("compute_aux_loss"):
                 return self._forward_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            if budget is None or input_ids.numel() <= budget:
+                return self._forward_text(model, input_ids, attention_mask, logits_to_keep, **kwargs)
             # TRL's forwards outside the loss (reference, old logprobs) take whole batches: piece them too
             return self._forward_pieces(model, input_ids, attention_mask, logits_to_keep, budget, **kwargs)
+
+        def _forward_text(self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
+                          batch_size: int | None = None, compute_entropy: bool = False, **kwargs: Any) -> Any:
+            """TRL's forward, each chunk of ``batch_size`` rows with its common prompt prefix forwarded once."""
+            checkpointing = torch.is_grad_enabled() and cast(Any, self.args).activation_checkpointing
+            if not self.share_prompt_prefix or checkpointing:  # recomputed layers keep no cache for the suffix
+                return self._forward_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                                           compute_entropy=compute_entropy, **kwargs)
+            rows = batch_size or input_ids.size(0)
+            parts: list[tuple[Any, Any]] = []
+            for start in range(0, input_ids.size(0), rows):
+                b_ids, b_mask = input_ids[start:start + rows], attention_mask[start:start + rows]
+                prefix = shared_prefix_length(b_ids, b_mask, logits_to_keep)
+                if prefix < MIN_SHARED_TOKENS or b_ids.size(0) == 1:
+                    logps, entropies, _ = self._forward_logps(model, b_ids, b_mask, logits_to_keep,
+                                                              compute_entropy=compute_entropy, **kwargs)
+                    parts.append((logps, entropies))
+                    continue
+                with self.accelerator.autocast():
+                    outputs = shared_prefix_forward(model, b_ids, b_mask, logits_to_keep, prefix)
+                self.forward_tokens += prefix + b_ids.size(0) * (outputs.log_probs.size(1) + 1)  # + the suffix
+                self.forward_real_tokens += int(b_mask.sum()) - (b_ids.size(0) - 1) * prefix
+                parts.append((outputs.log_probs[:, -logits_to_keep:],
+                              outputs.entropy[:, -logits_to_keep:] if compute_entropy else None))
+            logps = torch.cat([part[0] for part in parts])
+            entropies = torch.cat([part[1] for part in parts]) if compute_entropy else None
+            return logps, entropies, None
 
         def _forward_logps(self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, *args: Any,
                            **kwargs: Any) -> Any:
@@ -298,7 +331,7 @@ def captured_trainer_class() -> type:
             for rows in token_budget_pieces(prompt_lens, completion_lens, budget):
                 width_p, width_c = max(prompt_lens[i] for i in rows), max(completion_lens[i] for i in rows)
                 columns = slice(p - width_p, p + width_c)  # left-padded prompts, right-padded completions
-                logps, entropies, aux_loss = self._forward_logps(
+                logps, entropies, aux_loss = self._forward_text(
                     model, input_ids[rows, columns], attention_mask[rows, columns], width_c, **kwargs)
                 pad = (0, logits_to_keep - width_c)  # TRL's logprobs and entropies are 0 on padding
                 parts.append((torch.nn.functional.pad(logps, pad),
