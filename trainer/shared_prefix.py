@@ -24,12 +24,18 @@ if TYPE_CHECKING:
 MIN_SHARED_TOKENS = 32  # below this the second forward costs more than the prefix saves
 
 
+def prompt_padding(attention_mask: Tensor, logits_to_keep: int) -> Tensor:
+    """Each row's left padding: the prompt columns before its first token."""
+    prompt_width = attention_mask.size(1) - logits_to_keep
+    return prompt_width - attention_mask[:, :prompt_width].sum(1)
+
+
 def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int) -> int:
     """Prompt tokens every row starts with, at most its shortest prompt less one (whose logit scores the answer)."""
     import torch
 
     prompt_width = input_ids.size(1) - logits_to_keep
-    pads = prompt_width - attention_mask[:, :prompt_width].sum(1)
+    pads = prompt_padding(attention_mask, logits_to_keep)
     longest = int((prompt_width - pads).min()) - 1
     if longest <= 0:
         return 0
@@ -49,8 +55,7 @@ def shared_prefix_forward(model: Any, input_ids: Tensor, attention_mask: Tensor,
     import torch
 
     rows, width = input_ids.shape
-    prompt_width = width - logits_to_keep
-    pads = prompt_width - attention_mask[:, :prompt_width].sum(1)
+    pads = prompt_padding(attention_mask, logits_to_keep)
     first = int(pads[0])
     prefix = input_ids[:1, first:first + prefix_len]
     cache = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, logits_to_keep=1).cache
