@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def schedule(task: Task, args: Args) -> Iterator[tuple[int, Request, int | None]
                 index += 1
 
 
-async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, task: Task, args: Args,
+async def episode(client: openai.AsyncOpenAI, task: Task, args: Args,
                   request: Request, ticket: int | None) -> tuple[float, str | None]:
     """Run one episode: (reward, id of its last completion)."""
     messages: list[Message] = task.first_messages(request, ticket)
@@ -83,13 +84,17 @@ async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, task: Tas
 
 
 async def post_feedback(http: httpx.AsyncClient, base_url: str, completion_id: str, reward: float) -> None:
+    """POST an episode's reward; a failure goes to stderr (the episode is done: its reward is on stdout)."""
     url = base_url.rstrip("/").removesuffix("/v1") + "/flywheel/v1/feedback"
-    for _ in range(5):  # the completion may not be stored yet: 404 for a moment
-        response = await http.post(url, json={"completion_id": completion_id, "reward": reward})
-        if response.status_code != 404:
-            response.raise_for_status()
-            return
-        await asyncio.sleep(2.0)
+    try:
+        for _ in range(5):  # the completion may not be stored yet: 404 for a moment
+            response = await http.post(url, json={"completion_id": completion_id, "reward": reward})
+            if response.status_code != 404:
+                response.raise_for_status()
+                return
+            await asyncio.sleep(2.0)
+    except httpx.HTTPError as exc:
+        print(f"feedback for {completion_id} failed: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
 
 
 async def run(args: Args) -> None:
@@ -98,13 +103,18 @@ async def run(args: Args) -> None:
     async with openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", timeout=120.0) as client, \
             httpx.AsyncClient(timeout=60.0) as http:
 
+        sending: set[asyncio.Task[None]] = set()
+
         async def worker() -> None:
             for index, request, ticket in jobs:
                 record: dict[str, Any] = {"episode": index}
                 try:
-                    reward, completion_id = await episode(client, http, task, args, request, ticket)
+                    reward, completion_id = await episode(client, task, args, request, ticket)
                     if args.shape == "repeated" and completion_id:
-                        await post_feedback(http, args.base_url, completion_id, reward)
+                        # In the background, as an application sends a rating: the next episode does not wait
+                        sent = asyncio.create_task(post_feedback(http, args.base_url, completion_id, reward))
+                        sending.add(sent)
+                        sent.add_done_callback(sending.discard)
                     record["reward"] = reward
                 except (openai.APIError, httpx.HTTPError) as exc:
                     record["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -112,6 +122,7 @@ async def run(args: Args) -> None:
                 print(json.dumps(record), flush=True)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*sending)
 
 
 def main() -> None:

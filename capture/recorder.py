@@ -11,6 +11,9 @@
   append-only spool file; they are re-ingested once the store accepts writes again.
   Re-ingesting is idempotent: turn ids are fixed before the spool, and stored ids are
   skipped.
+- ``record_feedback`` hands over a client's feedback: it rides the batch that holds the lines submitted
+  before it, written in the same transaction after their turns, and is answered when that batch commits;
+  so a feedback costs no transaction and no early write of its own.
 - ``drain`` (SIGTERM, shutdown) writes whatever is queued before the process exits.
 - With ``link_wait_s`` (several gateway replicas on one PostgreSQL store), a turn whose last
   answer is not stored yet is held back and tried again with each batch, at least every
@@ -30,16 +33,19 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import itertools
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 
+from flywheel.capture.feedback import FeedbackBatch, FeedbackItem, Recorded
 from flywheel.capture.linker import ParentWait
 from flywheel.capture.redaction import Redactor
 from flywheel.capture.store import Store
@@ -113,8 +119,24 @@ class Spool:
             return False
 
 
+class FeedbackNotWritten(RuntimeError):
+    """The batch a feedback rode could not be written to the store (its turns were spooled): not recorded."""
+
+    def __init__(self) -> None:
+        super().__init__("the store cannot be written to right now; the feedback was not recorded: send it again")
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A feedback waiting for its batch: ``after``, the number of the last line submitted before it."""
+
+    after: int
+    item: FeedbackItem
+    future: asyncio.Future[Recorded | None]
+
+
 class Recorder:
-    """Queue, writer task, spool and counters for captured turns."""
+    """Queue, writer task, spool and counters for captured turns, and the feedback that rides their batches."""
 
     def __init__(self, store: Store, spool: Spool, *, redactor: Redactor | None, queue_size: int, batch_size: int,
                  batch_wait_s: float, retry_s: float, link_wait_s: float = 0.0) -> None:
@@ -129,7 +151,8 @@ class Recorder:
         self.accepted = 0  # lines submitted so far
         self.durable = 0  # every line numbered up to this is written, spooled, or failed for good
         self.on_durable: Callable[[int], None] | None = None
-        # Turns queued, written, spooled, reingested, failed; how they were linked (link_*), evidence refused
+        # Turns queued, written, spooled, reingested, failed; how they were linked (link_*), evidence refused;
+        # write transactions (batches) and the feedback they recorded
         self.stats: Counter[str] = Counter()
         self.store_ok = True
         self._task: asyncio.Task[None] | None = None
@@ -137,9 +160,12 @@ class Recorder:
         self._collecting: list[tuple[int, bytes]] = []  # the batch being filled (drain writes it too)
         self._writing: asyncio.Future[None] | None = None  # the batch being written (drain awaits it)
         self._write_now = asyncio.Event()  # set by flush(): write the batch being collected at once
+        self._wake = asyncio.Event()  # set by record_feedback(): a batch is due even if no line comes
         self.waiting = ParentWait(link_wait_s)  # turns whose parent another replica may still be writing
         self._next: asyncio.Future[tuple[int, bytes]] | None = None  # the queue read in progress (kept over timeouts)
         self._held_lines: dict[str, int] = {}  # a held turn's id: its line's number (it is not durable yet)
+        self._feedback: list[Waiting] = []  # feedback for the next batches, in arrival order
+        self._taken = 0  # the number of the last line taken into a batch
 
     def submit(self, line: bytes) -> None:
         """Hand over a finished exchange (:meth:`CapturedExchange.to_line`); never blocks, never raises.
@@ -153,6 +179,15 @@ class Recorder:
         except Exception:  # capture must never fail a client request
             log.exception("could not capture an exchange (%d bytes)", len(line))
             self.stats["failed"] += 1
+
+    def record_feedback(self, item: FeedbackItem) -> asyncio.Future[Recorded | None]:
+        """Feedback on what was submitted so far: written with the batch holding those lines, after their turns.
+        The future is what it recorded (None: no trajectory of the client's matched) once that batch commits,
+        or :class:`FeedbackNotWritten` when the batch could not be written to the store."""
+        future: asyncio.Future[Recorded | None] = asyncio.get_running_loop().create_future()
+        self._feedback.append(Waiting(self.accepted, item, future))
+        self._wake.set()
+        return future
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="flywheel-recorder")
@@ -173,8 +208,9 @@ class Recorder:
             batch.append(self._next.result())  # read from the queue just before the cancel
         while not self.queue.empty():
             batch.append(self.queue.get_nowait())
-        if batch:
-            await self._write(batch)
+        feedback, self._feedback = self._feedback, []
+        if batch or feedback:
+            await self._write(batch, feedback)
         while len(self.waiting):
             await asyncio.sleep(self.batch_wait_s)
             await self._write([])
@@ -183,11 +219,16 @@ class Recorder:
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Write everything submitted so far now (or spool it), waiting at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        self._write_now.set()  # a reader is waiting: do not wait for the batch to fill
-        # A line the pending read took off the queue is on its way to the batch (``_run`` resumes a step later).
-        while (not self.queue.empty() or (self._next is not None and self._next.done()) or self._collecting
-               or self._writing is not None) and time.monotonic() < deadline:
+        if self._unwritten():
+            self._write_now.set()  # a reader is waiting: do not wait for the batch to fill
+        while (self._unwritten() or self._writing is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+
+    def _unwritten(self) -> bool:
+        """Whether a line or a feedback waits for a batch. A line the pending read took off the queue is on its way
+        to the batch (``_run`` resumes a step later)."""
+        return (not self.queue.empty() or (self._next is not None and self._next.done()) or bool(self._collecting)
+                or bool(self._feedback))
 
     async def _run(self) -> None:
         while True:
@@ -195,36 +236,61 @@ class Recorder:
             line = await self._read(self.batch_wait_s if len(self.waiting) else None)
             if line is not None:
                 self._collecting.append(line)
-                if self.queue.qsize() < self.batch_size - 1 and not self._write_now.is_set():
-                    with contextlib.suppress(TimeoutError):  # let the batch fill: one timer per batch, not per turn
-                        await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
+            if (line is not None or self._feedback) and self.queue.qsize() < self.batch_size - 1 \
+                    and not self._write_now.is_set():
+                with contextlib.suppress(TimeoutError):  # let the batch fill: one timer per batch, not per turn
+                    await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
             self._write_now.clear()
+            self._wake.clear()
             while len(self._collecting) < self.batch_size and not self.queue.empty():
                 self._collecting.append(self.queue.get_nowait())
             batch, self._collecting = self._collecting, []
-            self._writing = asyncio.ensure_future(self._write(batch))
+            self._writing = asyncio.ensure_future(self._write(batch, self._riding(batch)))
             await asyncio.shield(self._writing)
             self._writing = None
 
     async def _read(self, timeout_s: float | None) -> tuple[int, bytes] | None:
-        """The next line from the queue, or None after ``timeout_s``; the read stays pending for the next call (a
-        cancelled ``queue.get`` could drop a line it had just taken)."""
+        """The next line from the queue, or None after ``timeout_s`` or when feedback arrives; the read stays
+        pending for the next call (a cancelled ``queue.get`` could drop a line it had just taken)."""
         if self._next is None:
             self._next = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({self._next}, timeout=timeout_s)
-        if not done:
+        woken: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+        reading: asyncio.Future[Any] = self._next
+        try:
+            await asyncio.wait({reading, woken}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        if not self._next.done():
             return None
         line, self._next = self._next.result(), None
         return line
 
-    async def _write(self, batch: list[tuple[int, bytes]]) -> None:
+    def _riding(self, batch: list[tuple[int, bytes]]) -> list[Waiting]:
+        """The feedback a batch carries: on lines up to its last one, or all of it once no line is left to take
+        (a line the queue could not hold went to the spool, never to a batch)."""
+        if batch:
+            self._taken = batch[-1][0]
+        drained = self.queue.empty() and not (self._next is not None and self._next.done())
+        riding = [w for w in self._feedback if drained or w.after <= self._taken]
+        self._feedback = [w for w in self._feedback if not (drained or w.after <= self._taken)]
+        return riding
+
+    async def _write(self, batch: list[tuple[int, bytes]], feedback: list[Waiting] | None = None) -> None:
+        carried = FeedbackBatch([w.item for w in feedback or []])
         try:
-            self.stats.update(await asyncio.to_thread(self._persist, batch))
+            self.stats.update(await asyncio.to_thread(self._persist, batch, carried))
         except Exception:  # the writer task must outlive any batch: a dead one would leave every later turn queued
             log.exception("could not write or spool a batch of %d exchanges", len(batch))
             self.stats["failed"] += len(batch)
         if batch:
             self._advance(batch[-1][0])
+        for waiting, recorded in itertools.zip_longest(feedback or [], carried.recorded):
+            if waiting is None or waiting.future.done():  # a caller that gave up waiting
+                continue
+            if len(carried.recorded) == len(carried.items):
+                waiting.future.set_result(recorded)
+            else:
+                waiting.future.set_exception(FeedbackNotWritten())
 
     def _advance(self, last: int) -> None:
         """Lines up to ``last`` (the batch just written) are durable, but for those with a turn still held."""
@@ -236,7 +302,7 @@ class Recorder:
             if self.on_durable is not None:
                 self.on_durable(durable)
 
-    def _persist(self, batch: list[tuple[int, bytes]]) -> Counter[str]:
+    def _persist(self, batch: list[tuple[int, bytes]], feedback: FeedbackBatch) -> Counter[str]:
         """Parse, prepare and write (or spool) one batch on the worker thread; returns what became of its turns.
 
         Everything the batch allocates dies here, on this thread, by reference counting: the cyclic
@@ -244,16 +310,19 @@ class Recorder:
         """
         gc.disable()
         try:
-            return self._prepare_and_write(batch)
+            return self._prepare_and_write(batch, feedback)
         finally:
             gc.enable()
 
-    def _prepare_and_write(self, batch: list[tuple[int, bytes]]) -> Counter[str]:
+    def _prepare_and_write(self, batch: list[tuple[int, bytes]], feedback: FeedbackBatch) -> Counter[str]:
         outcome: Counter[str] = Counter()
         prepared = self.waiting.take() + self._prepare(batch, outcome)  # held ones first: oldest
         if self.store_ok:
             try:
-                outcome["written"] += self.store.write_turns(prepared, counts=outcome, waiting=self.waiting)
+                outcome["written"] += self.store.write_turns(prepared, counts=outcome, waiting=self.waiting,
+                                                             feedback=feedback if feedback.items else None)
+                outcome["batches"] += 1
+                outcome["feedback"] += sum(recorded is not None for recorded in feedback.recorded)
                 return outcome
             except Exception as exc:
                 log.warning("store write failed (%s: %s); %d turns go to the spool", type(exc).__name__, exc,

@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
+from flywheel.capture.feedback import FeedbackBatch, close_trajectories, write_feedback
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
@@ -262,7 +263,8 @@ class Store:
     # -- writes -------------------------------------------------------------------------------------------
 
     def write_turns(self, prepared: Iterable[PreparedTurn], *, skip_stored: bool = False,
-                    counts: Counter[str] | None = None, waiting: ParentWait | None = None) -> int:
+                    counts: Counter[str] | None = None, waiting: ParentWait | None = None,
+                    feedback: FeedbackBatch | None = None) -> int:
         """Link and insert turns in one transaction; returns how many were written.
 
         ``skip_stored`` (re-ingesting a spool, which may hold turns already written before a
@@ -271,6 +273,8 @@ class Store:
         ``waiting`` holds back the turns whose last answer no stored turn gave yet, while they may wait
         (another replica may still be writing it): they are not written now, and the caller passes them
         again with a later batch.
+        ``feedback`` is written in the same transaction, after the turns (so it finds a completion of this very
+        batch); its ``recorded`` is filled once committed.
 
         On a shared store a batch that lost a race to another writer (a trajectory both started, a deadlock)
         is rolled back and linked again from what is stored then, up to ``WRITE_ATTEMPTS`` times.
@@ -279,23 +283,27 @@ class Store:
         for attempt in range(1, WRITE_ATTEMPTS + 1):
             try:
                 # DuckDB's write conflicts run the same attempt again; PostgreSQL's races (below) link it again
-                linker, held = retry_on_conflict(
-                    lambda: self._link_and_write(prepared, skip_stored=skip_stored, waiting=waiting))
+                linker, held, recorded = retry_on_conflict(
+                    lambda: self._link_and_write(prepared, skip_stored=skip_stored, waiting=waiting,
+                                                 feedback=feedback))
                 break
             except DBAPIError as exc:
                 race = RACES.get(getattr(exc.orig, "sqlstate", None) or "")
                 if race is None or attempt == WRITE_ATTEMPTS:
                     raise
                 log.info("a batch of %d turns lost a race (%s); linking it again", len(prepared), race)
+        if feedback is not None:
+            feedback.recorded = recorded
         if waiting is not None:
             linker.counts["waited"] += waiting.hold(held)  # turns that wait for their parent (once each)
         if counts is not None:
             counts.update(linker.counts)
         return len(linker.turns)
 
-    def _link_and_write(self, prepared: list[PreparedTurn], *, skip_stored: bool, waiting: ParentWait | None
-                        ) -> tuple[TrajectoryLinker, list[PreparedTurn]]:
-        """One attempt: link the batch and commit it; returns the linker and the turns held back."""
+    def _link_and_write(self, prepared: list[PreparedTurn], *, skip_stored: bool, waiting: ParentWait | None,
+                        feedback: FeedbackBatch | None) -> tuple[TrajectoryLinker, list[PreparedTurn], list[Any]]:
+        """One attempt: link the batch, write its feedback and commit; returns the linker, the turns held back and
+        what became of each feedback."""
         with self.session() as session:
             known: set[str] = set()
             if skip_stored:
@@ -321,8 +329,9 @@ class Store:
             bulk_insert(session, Turn, linker.turns)
             bulk_insert(session, Trajectory, linker.new_trajectories())
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
+            recorded = write_feedback(session, feedback.items) if feedback is not None else []
             session.commit()
-        return linker, held
+        return linker, held, recorded
 
     def close_idle(self, idle_s: float, now: datetime | None = None) -> int:
         """Close open trajectories with no new turn for ``idle_s`` seconds."""
@@ -344,21 +353,9 @@ class Store:
         is over."""
         def write() -> None:
             with self.session() as session:
-                close_in(session, trajectory_id, reason)
+                close_trajectories(session, [trajectory_id], reason)
                 session.commit()
         retry_on_conflict(write)
-
-
-def close_in(session: Session, trajectory_id: str, reason: str) -> None:
-    """``Store.close_trajectory`` inside the caller's transaction: two set-based updates, no rows loaded."""
-    now = utcnow()
-    session.execute(update(Trajectory).where(col(Trajectory.id) == trajectory_id, col(Trajectory.status) != "closed")
-                    .values(status="closed", closed_at=now, close_reason=reason)
-                    .execution_options(synchronize_session=False))
-    session.execute(update(Trajectory).where(col(Trajectory.parent_trajectory_id) == trajectory_id,
-                                             col(Trajectory.status) == "open")
-                    .values(status="closed", closed_at=now, close_reason="parent")
-                    .execution_options(synchronize_session=False))
 
 
 _META = SchemaMeta.__table__  # type: ignore[attr-defined]

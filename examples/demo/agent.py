@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -118,17 +119,22 @@ async def ask(client: openai.AsyncOpenAI, args: Args, messages: list[dict[str, A
 
 
 async def post_feedback(http: httpx.AsyncClient, args: Args, completion_id: str, reward: float) -> None:
-    """POST the episode's reward; retried a while on 404 (the gateway may not have stored the completion yet)."""
-    for attempt in range(FEEDBACK_ATTEMPTS):
-        response = await http.post(feedback_url(args.base_url), json={"completion_id": completion_id, "reward": reward},
-                                   headers={"authorization": f"Bearer {args.api_key}"})
-        if response.status_code != 404 or attempt == FEEDBACK_ATTEMPTS - 1:
-            response.raise_for_status()
-            return
-        await asyncio.sleep(FEEDBACK_RETRY_S)
+    """POST the episode's reward; retried a while on 404 (the gateway may not have stored the completion yet).
+    A failure is reported on stderr: the episode itself is done."""
+    try:
+        for attempt in range(FEEDBACK_ATTEMPTS):
+            response = await http.post(feedback_url(args.base_url),
+                                       json={"completion_id": completion_id, "reward": reward},
+                                       headers={"authorization": f"Bearer {args.api_key}"})
+            if response.status_code != 404 or attempt == FEEDBACK_ATTEMPTS - 1:
+                response.raise_for_status()
+                return
+            await asyncio.sleep(FEEDBACK_RETRY_S)
+    except httpx.HTTPError as exc:
+        print(f"feedback for {completion_id} failed: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
 
 
-async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, args: Args, index: int,
+async def episode(client: openai.AsyncOpenAI, args: Args, index: int,
                   request: task.Request) -> dict[str, Any]:
     """Run one episode and report its reward; a model's garbage or an API error gives reward 0."""
     started = time.perf_counter()
@@ -150,8 +156,6 @@ async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, args: Arg
         record.update(tool=tool, right_tool=tool == request.tool,
                       reward=task.episode_reward(request, first, final, first_truncated=first_truncated,
                                                  final_truncated=final_truncated))
-        if args.feedback:
-            await post_feedback(http, args, completion_id, record["reward"])
     except (openai.APIError, httpx.HTTPError) as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"[:300]
     record["latency_s"] = round(time.perf_counter() - started, 3)
@@ -164,13 +168,22 @@ async def run_agent(args: Args, summary: Summary, emit: Callable[[str], Any] = p
     async with openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, timeout=120.0) as client, \
             httpx.AsyncClient(timeout=60.0) as http:
 
+        sending: set[asyncio.Task[None]] = set()
+
         async def worker() -> None:
             for index, request in jobs:  # one shared iterator: each worker takes the next episode
-                record = await episode(client, http, args, index, request)
+                record = await episode(client, args, index, request)
                 summary.add(record)
                 emit(json.dumps(record))
+                if args.feedback and record["completion_ids"] and "error" not in record:
+                    # In the background, as an application sends a rating: the next episode does not wait for it
+                    sent = asyncio.create_task(post_feedback(http, args, record["completion_ids"][-1],
+                                                             record["reward"]))
+                    sending.add(sent)
+                    sent.add_done_callback(sending.discard)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*sending)
     return summary
 
 

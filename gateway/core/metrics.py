@@ -58,6 +58,11 @@ class _CaptureCollector(Collector):
         for rule in ("prefix", "tail", "summary", "explicit", "new"):
             links.add_metric([rule], self.stats[f"link_{rule}"])
         yield links
+        yield CounterMetricFamily("flywheel_capture_batches",
+                                  "Write transactions of captured turns, and of the feedback that rode them.",
+                                  value=self.stats["batches"])
+        yield CounterMetricFamily("flywheel_capture_feedback", "Client feedback recorded (each with its batch).",
+                                  value=self.stats["feedback"])
         yield CounterMetricFamily("flywheel_capture_tail_ambiguous",
                                   "Requests whose last answer the linker refused to link by its tail (ambiguous).",
                                   value=self.stats["tail_ambiguous"])

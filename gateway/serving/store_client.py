@@ -3,13 +3,17 @@
 Each method posts its arguments to ``/internal/store/{method}`` through the :class:`StoreLink` (which
 first hands over the turns captured before the call, so the answer sees them) and reads the answer into
 the Protocol's return type. A method names itself by the Protocol's function (``StoreApi.serving``), so
-its wire name and its types come from one place.
+its wire name and its types come from one place. Inside :func:`as_it_is` (the loop's scheduled runs, the
+status a screen polls) calls read the store as it is: they do not make the store process write its batch
+of turns early, which cut batches short several times a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, TypeVar, get_type_hints
 
@@ -36,6 +40,17 @@ from flywheel.gateway.core.store_api import (
 from flywheel.gateway.serving.store_link import StoreLink
 
 T = TypeVar("T")
+_AS_IT_IS: ContextVar[bool] = ContextVar("flywheel_store_as_it_is", default=False)
+
+
+@contextlib.contextmanager
+def as_it_is() -> Iterator[None]:
+    """Store calls made inside do not wait for the turns answered just before them to be written."""
+    token = _AS_IT_IS.set(True)
+    try:
+        yield
+    finally:
+        _AS_IT_IS.reset(token)
 
 
 @functools.cache
@@ -51,7 +66,7 @@ class StoreClient:
 
     async def _call(self, method: Callable[..., Coroutine[Any, Any, T]], **arguments: Any) -> T:
         answer = await self.link.call("POST", f"/internal/store/{method.__name__}",
-                                      json=to_jsonable_python(arguments))
+                                      json=to_jsonable_python(arguments), fresh=not _AS_IT_IS.get())
         result: T = _result(method).validate_python(answer)
         return result
 

@@ -304,11 +304,14 @@ class StoreLink:
     # -- requests ----------------------------------------------------------------------------------------
 
     async def call(self, method: str, path: str, *, params: dict[str, str] | None = None,
-                   json: Any = None) -> Any:
-        """An internal JSON call; the store process's error comes back as the same OpenAIError."""
-        await self._caught_up()
-        self._flush()
-        headers = {INGEST_SEQ_HEADER: str(self.sent)}
+                   json: Any = None, fresh: bool = True) -> Any:
+        """An internal JSON call; the store process's error comes back as the same OpenAIError. ``fresh``: its
+        answer sees every turn answered before it (the store process writes them first); else the store as it is."""
+        headers = {}
+        if fresh:
+            await self._caught_up()
+            self._flush()
+            headers[INGEST_SEQ_HEADER] = str(self.sent)
         try:
             assert self._http is not None
             async with self._http.request(method, f"http://store{path}", params=params, json=json,

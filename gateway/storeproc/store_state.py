@@ -33,11 +33,20 @@ class StoreState:
     async def caught_up(self, request: Request, timeout_s: float = 5.0) -> None:
         """Wait until what the gateway had streamed before forwarding ``request`` is written.
 
-        A client that just got a response may close or rate that conversation at once; its
-        turn may still be on the ingest socket or in the recorder's batch.
+        A client that just got a response may read that conversation at once; its turn may still
+        be on the ingest socket or in the recorder's batch. A request without the header (the
+        loop's own reads, docs/gateway.md) reads the store as it is.
         """
+        if INGEST_SEQ_HEADER not in request.headers:
+            return
+        deadline = time.monotonic() + timeout_s
+        await self.received_all(request, timeout_s)
+        await self.recorder.flush(max(0.0, deadline - time.monotonic()))
+
+    async def received_all(self, request: Request, timeout_s: float = 5.0) -> None:
+        """Wait until the exchanges the gateway had streamed before forwarding ``request`` are read (submitted
+        to the recorder, not yet written)."""
         seq = int(request.headers.get(INGEST_SEQ_HEADER) or 0)
         deadline = time.monotonic() + timeout_s
         while self.received < seq and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
-        await self.recorder.flush(max(0.0, deadline - time.monotonic()))

@@ -44,6 +44,7 @@ from flywheel.gateway.serving.loop.leader import Leadership, shared_store
 from flywheel.gateway.serving.loop.promotion import promote_version
 from flywheel.gateway.serving.loop.training_child import TrainingChild
 from flywheel.gateway.serving.observability.loop_jobs import Observability
+from flywheel.gateway.serving.store_client import as_it_is
 
 log = logging.getLogger("flywheel.loop")
 
@@ -179,7 +180,7 @@ class Loop:
         return self._locks.setdefault((job, alias), asyncio.Lock())
 
     def _schedule(self, job: str, alias: str | None, seconds: float) -> None:
-        self.scheduler.add_job(self.run, "interval", args=[job, alias], seconds=seconds, id=f"{job}:{alias or '*'}",
+        self.scheduler.add_job(self.tick, "interval", args=[job, alias], seconds=seconds, id=f"{job}:{alias or '*'}",
                                max_instances=1, coalesce=True, misfire_grace_time=None,
                                next_run_time=datetime.now(UTC))  # first run at start, not one interval later
 
@@ -198,7 +199,8 @@ class Loop:
         router = self.state.router
         generation = router.generation
         try:
-            rows = await self.state.store.serving()
+            with as_it_is():
+                rows = await self.state.store.serving()
         except Exception as exc:  # the store process is restarting: the next look follows
             log.warning("loop: could not read the serving versions (%s)", exc)
             return
@@ -226,6 +228,12 @@ class Loop:
             await router.stop_canary(alias)  # decided elsewhere (promoted, rejected)
 
     # -- running one job ------------------------------------------------------------------------------------
+
+    async def tick(self, job: str, alias: str | None) -> None:
+        """A scheduled run: it reads the store as it is; turns still in the store process's batch, the next
+        tick reads (a run a person starts, :meth:`run`, sees every turn answered before it)."""
+        with as_it_is():
+            await self.run(job, alias)
 
     async def run(self, job: str, alias: str | None) -> dict[str, Any]:
         """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises.

@@ -32,6 +32,7 @@ from flywheel.gateway.serving.loop.promotion import promote_version, register_ad
 from flywheel.gateway.serving.loop.scheduler import ALIAS_JOBS, GLOBAL_JOBS, Loop
 from flywheel.gateway.serving.routes.admin import adapter_directory, alias_info
 from flywheel.gateway.serving.served_model import ServedModel
+from flywheel.gateway.serving.store_client import as_it_is
 
 router = APIRouter(prefix="/flywheel/v1")
 
@@ -58,8 +59,9 @@ async def _body(request: Request, model: type[BaseModel], state: GatewayState) -
 async def status(request: Request) -> Response:
     state = await _admin(request)
     loop = Loop.of(request)
-    return json_response({"aliases": [await alias_status(state, alias, loop) for alias in state.settings.aliases],
-                          "replica": {"role": loop.leadership.role}})
+    with as_it_is():  # polled by screens every second: the turns of the last moment show at the next poll
+        aliases = [await alias_status(state, alias, loop) for alias in state.settings.aliases]
+    return json_response({"aliases": aliases, "replica": {"role": loop.leadership.role}})
 
 
 async def last_runs(state: GatewayState, alias: str, loop: Loop) -> dict[str, JobRunRecord]:

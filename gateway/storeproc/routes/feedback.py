@@ -14,14 +14,11 @@ import asyncio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
-from sqlalchemy import insert
-from sqlmodel import Session, col, select
 from starlette.responses import Response
 
-from flywheel.capture.models import Feedback, Trajectory, Turn
-from flywheel.capture.store import Store, close_in, retry_on_conflict
-from flywheel.capture.turns import new_id
-from flywheel.gateway.core.errors import BadRequest, NotFound
+from flywheel.capture.feedback import FeedbackItem
+from flywheel.capture.recorder import FeedbackNotWritten
+from flywheel.gateway.core.errors import BadRequest, NotFound, OpenAIError
 from flywheel.gateway.core.http import json_response
 from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object, validate_request
@@ -30,6 +27,7 @@ from flywheel.gateway.storeproc.store_state import StoreState
 from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
 
 router = APIRouter(prefix="/flywheel/v1")
+FEEDBACK_TIMEOUT_S = 30.0  # the recorder writes a batch within batch_wait_s; a stuck store is answered 503
 
 class FeedbackRequest(BaseModel):
     trajectory_id: str | None = None
@@ -51,37 +49,6 @@ class ScoreQuery(BaseModel):
     alias: str | None = Field(default=None, description="only this alias's groups")
 
 
-def _find_trajectory(session: Session, trajectory_id: str | None, completion_id: str | None,
-                     client_key_id: str | None) -> str | None:
-    if trajectory_id:
-        found = session.execute(select(Trajectory.client_key_id).where(Trajectory.id == trajectory_id)).first()
-        ok = found is not None and (client_key_id is None or found[0] == client_key_id)
-        return trajectory_id if ok else None
-    query = select(Turn.trajectory_id).where(Turn.completion_id == completion_id, Turn.source != "fork")
-    if client_key_id is not None:
-        query = query.where(col(Turn.client_key_id) == client_key_id)
-    return session.exec(query.limit(1)).first()
-
-
-def _record_feedback(store: Store, request: FeedbackRequest, client_key_id: str | None) -> tuple[str, str] | None:
-    """Find the trajectory, record the feedback and close the trajectory in one transaction: (trajectory id,
-    feedback id), or None when no trajectory matches."""
-    def write() -> tuple[str, str] | None:
-        with store.session() as session:
-            trajectory_id = _find_trajectory(session, request.trajectory_id, request.completion_id, client_key_id)
-            if trajectory_id is None:
-                return None
-            feedback_id = new_id("fb")
-            row = Feedback(id=feedback_id, trajectory_id=trajectory_id, completion_id=request.completion_id,
-                           reward=request.reward, label=request.label, comment=request.comment,
-                           client_key_id=client_key_id)
-            session.execute(insert(Feedback).values(row.model_dump()))
-            close_in(session, trajectory_id, "feedback")
-            session.commit()
-            return trajectory_id, feedback_id
-    return retry_on_conflict(write)
-
-
 @router.post("/feedback", openapi_extra=json_body(FeedbackRequest), responses=ERRORS)
 async def post_feedback(request: Request) -> Response:
     state = StoreState.of(request)
@@ -93,15 +60,20 @@ async def post_feedback(request: Request) -> Response:
         reward = feedback_reward(feedback.reward, feedback.label)
     except InvalidFeedbackError as exc:
         raise BadRequest(f"Invalid feedback: {exc}", param="label" if feedback.label else "reward") from None
-    store = state.store
-    await state.caught_up(request)  # a completion answered a moment ago may still be on its way in
-    recorded = await asyncio.to_thread(_record_feedback, store, feedback, key_id)
+    await state.received_all(request)  # a completion answered a moment ago may still be on its way in
+    item = FeedbackItem(trajectory_id=feedback.trajectory_id, completion_id=feedback.completion_id,
+                        reward=feedback.reward, label=feedback.label, comment=feedback.comment, client_key_id=key_id)
+    try:  # written with the batch that holds that completion's turn, answered once it commits
+        recorded = await asyncio.wait_for(state.recorder.record_feedback(item), FEEDBACK_TIMEOUT_S)
+    except (FeedbackNotWritten, TimeoutError) as exc:
+        raise OpenAIError(f"Feedback not recorded: {exc or 'its batch was not written in time'}; send it again.",
+                          status_code=503, code="store_unavailable") from None
     if recorded is None:
         param = "trajectory_id" if feedback.trajectory_id else "completion_id"
         raise NotFound(f"No captured trajectory for {param} '{body[param]}'.", param=param, code="not_found")
-    trajectory_id, feedback_id = recorded
-    return Response(orjson.dumps({"id": feedback_id, "object": "flywheel.feedback", "trajectory_id": trajectory_id,
-                                  "reward": reward}), media_type="application/json")
+    return Response(orjson.dumps({"id": recorded.feedback_id, "object": "flywheel.feedback",
+                                  "trajectory_id": recorded.trajectory_id, "reward": reward}),
+                    media_type="application/json")
 
 
 @router.post("/jobs/groups", responses=ERRORS)

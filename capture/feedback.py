@@ -1,0 +1,113 @@
+"""Client feedback, written in the recorder's batch: each names a trajectory (by id, or by a chat completion in
+it), is recorded, and closes that trajectory and its sub-agents' — the whole batch's feedback in a few
+set-based statements of the transaction that writes its turns (docs/capture.md, "Feedback rides the batch")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import insert, update
+from sqlmodel import Session, col, select
+
+from flywheel.capture.models import Feedback, Trajectory, Turn, utcnow
+from flywheel.capture.turns import new_id
+
+
+@dataclass(frozen=True)
+class FeedbackItem:
+    """What a client said (``POST /flywheel/v1/feedback``), already validated; ``client_key_id`` is who said it: a
+    client key sees only its own trajectories."""
+
+    trajectory_id: str | None
+    completion_id: str | None
+    reward: float | None = None
+    label: str | None = None
+    comment: str | None = None
+    client_key_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    trajectory_id: str
+    feedback_id: str
+
+
+@dataclass
+class FeedbackBatch:
+    """The feedback a batch of turns carries; ``recorded`` is filled, item by item, once the batch commits
+    (None: no trajectory of the client's matched)."""
+
+    items: Sequence[FeedbackItem]
+    recorded: list[Recorded | None] = field(default_factory=list)
+
+
+def write_feedback(session: Session, items: Sequence[FeedbackItem]) -> list[Recorded | None]:
+    """Find each item's trajectory, insert the feedback rows and close the trajectories, in the caller's
+    transaction (whose turns are visible here: a completion answered in this very batch is found)."""
+    if not items:
+        return []
+    owners = _trajectory_owners(session, [i.trajectory_id for i in items if i.trajectory_id])
+    by_completion = _completion_trajectories(session, [i.completion_id for i in items
+                                                       if i.completion_id and not i.trajectory_id])
+    recorded: list[Recorded | None] = []
+    rows: list[Feedback] = []
+    for item in items:
+        trajectory_id = _match(item, owners, by_completion)
+        if trajectory_id is None:
+            recorded.append(None)
+            continue
+        row = Feedback(id=new_id("fb"), trajectory_id=trajectory_id, completion_id=item.completion_id,
+                       reward=item.reward, label=item.label, comment=item.comment, client_key_id=item.client_key_id)
+        rows.append(row)
+        recorded.append(Recorded(trajectory_id, row.id))
+    if rows:
+        session.execute(insert(Feedback), [row.model_dump() for row in rows])
+        close_trajectories(session, sorted({row.trajectory_id for row in rows}), "feedback")
+    return recorded
+
+
+def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: str) -> None:
+    """Close these trajectories, and their sub-agents' still open (reason ``parent``): two set-based updates."""
+    if not trajectory_ids:
+        return
+    now = utcnow()
+    session.execute(update(Trajectory).where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
+                    .values(status="closed", closed_at=now, close_reason=reason)
+                    .execution_options(synchronize_session=False))
+    session.execute(update(Trajectory).where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
+                                             col(Trajectory.status) == "open")
+                    .values(status="closed", closed_at=now, close_reason="parent")
+                    .execution_options(synchronize_session=False))
+
+
+def _trajectory_owners(session: Session, ids: list[str]) -> dict[str, str | None]:
+    if not ids:
+        return {}
+    found = session.execute(select(Trajectory.id, Trajectory.client_key_id).where(col(Trajectory.id).in_(ids)))
+    return {trajectory_id: key for trajectory_id, key in found}
+
+
+def _completion_trajectories(session: Session, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
+    """Per completion id, the (trajectory, client key) of its client-facing turns, first choice first."""
+    if not ids:
+        return {}
+    found = session.execute(select(Turn.completion_id, Turn.trajectory_id, Turn.client_key_id)
+                            .where(col(Turn.completion_id).in_(ids), col(Turn.source) != "fork")
+                            .order_by(col(Turn.choice_index)))
+    by_completion: dict[str, list[tuple[str, str | None]]] = {}
+    for completion_id, trajectory_id, key in found:
+        by_completion.setdefault(completion_id, []).append((trajectory_id, key))
+    return by_completion
+
+
+def _match(item: FeedbackItem, owners: dict[str, str | None],
+           by_completion: dict[str, list[tuple[str, str | None]]]) -> str | None:
+    mine = item.client_key_id
+    if item.trajectory_id:
+        ok = item.trajectory_id in owners and (mine is None or owners[item.trajectory_id] == mine)
+        return item.trajectory_id if ok else None
+    for trajectory_id, key in by_completion.get(item.completion_id or "", []):
+        if mine is None or key == mine:
+            return trajectory_id
+    return None

@@ -1,0 +1,97 @@
+"""What a write transaction of the store process carries: a batch of turns, and the feedback that rides it.
+
+A real gateway on loopback in front of a scripted upstream, the plain ``openai`` client and ``httpx`` for
+feedback; the store's write transactions are read from ``/metrics`` (``flywheel_capture_batches_total``) and
+the rows from the DuckDB file once the gateway stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+from sqlmodel import select
+
+from flywheel.capture.models import Feedback, Trajectory
+from flywheel.capture.store import Store
+from tests.gateway_process import GatewayProcess
+from tests.scripted_openai import ScriptedOpenAI
+
+
+def start(tmp_path: Path, upstream: ScriptedOpenAI, extra: str) -> GatewayProcess:
+    return GatewayProcess(tmp_path, f"""
+[engines.up]
+base_url = "{upstream.base_url}"
+[aliases.agent]
+engine = "up"
+base_model = "scripted"
+{extra}
+""").start()
+
+
+def metric(gateway: GatewayProcess, name: str) -> float:
+    for line in httpx.get(f"{gateway.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_feedback_rides_the_batch_that_writes_its_turn(tmp_path: Path) -> None:
+    with ScriptedOpenAI() as upstream:
+        gateway = start(tmp_path, upstream, "[capture]\nbatch_wait_s = 3.0\n")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        batches = metric(gateway, "flywheel_capture_batches_total")
+
+        def episode(i: int) -> httpx.Response:
+            reply = client.chat.completions.create(model="agent", messages=[{"role": "user", "content": f"q{i}"}])
+            return httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": reply.id, "reward": i / 4},
+                              timeout=30)
+
+        def unknown() -> httpx.Response:
+            return httpx.post(f"{gateway.url}/flywheel/v1/feedback", json={"completion_id": "chatcmpl-nope",
+                                                                           "reward": 1.0}, timeout=30)
+
+        with ThreadPoolExecutor(5) as pool:
+            episodes, unknown_one = [pool.submit(episode, i) for i in range(4)], pool.submit(unknown)
+            answered, missing = [e.result() for e in episodes], unknown_one.result()
+
+        assert [r.status_code for r in answered] == [200] * 4
+        assert [r.json()["reward"] for r in answered] == [0.0, 0.25, 0.5, 0.75]
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "completion_id"
+        # Four turns and four feedbacks inside one batch window: one write transaction for all of them.
+        assert metric(gateway, "flywheel_capture_batches_total") - batches == 1
+        assert metric(gateway, "flywheel_capture_feedback_total") == 4
+        trajectory_ids = {r.json()["trajectory_id"] for r in answered}
+        gateway.stop()
+
+    store = Store(gateway.dir / "data" / "flywheel.duckdb")
+    try:
+        with store.session() as session:
+            closed = {t.id: t.close_reason for t in session.exec(select(Trajectory))}
+            rewards = sorted(f.reward for f in session.exec(select(Feedback)) if f.reward is not None)
+    finally:
+        store.close()
+    assert closed == dict.fromkeys(trajectory_ids, "feedback")
+    assert rewards == [0.0, 0.25, 0.5, 0.75]
+
+
+def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Path) -> None:
+    """Group formation and the idle close run every 0.2 s and the status is polled as often: none of them makes the
+    store process write the turns of the moment early (each did, one transaction per look)."""
+    with ScriptedOpenAI() as upstream:
+        gateway = start(tmp_path, upstream, "[capture]\nbatch_wait_s = 1.0\nidle_close_s = 0.8\n"
+                                            "[groups]\nform_every_s = 0.2\n")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        batches = metric(gateway, "flywheel_capture_batches_total")
+        started = time.monotonic()
+        for i in range(30):  # a request every 0.1 s for 3 s, the status read after each
+            client.chat.completions.create(model="agent", messages=[{"role": "user", "content": f"t{i}"}])
+            assert httpx.get(f"{gateway.url}/flywheel/v1/status", timeout=10).status_code == 200
+            time.sleep(max(0.0, started + (i + 1) * 0.1 - time.monotonic()))
+        written = metric(gateway, "flywheel_capture_batches_total") - batches
+        elapsed = time.monotonic() - started
+        gateway.stop()
+    assert written <= elapsed / 1.0 + 2, f"{written} write transactions in {elapsed:.1f} s of 1 s batches"
