@@ -35,6 +35,7 @@ from flywheel.capture.feedback import FeedbackBatch, close_trajectories, write_f
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
+from flywheel.capture.write_stamps import WriteStamps
 
 log = logging.getLogger("flywheel.store")
 
@@ -163,6 +164,7 @@ class Store:
         self.engine: Engine = create_engine(_engine_url(self.url), json_serializer=_json_text,
                                             connect_args=_connect_args(self.url), **_engine_options(self.url))
         self.shared = self.engine.dialect.name == "postgresql"  # several processes (replicas) write it
+        self.stamps = WriteStamps(self.engine)  # what this process committed, per table (kept reads check it)
         self._local_locks: dict[str, threading.Lock] = {}  # exclusive() where one process owns the store
         try:
             self.migrate()
@@ -400,6 +402,7 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
     connection = _duckdb_connection(session)
     stored = connection.table(table.name).columns  # insert_into is positional: the file's own column order
     connection.from_arrow(_arrow_table(table, rows, stored)).insert_into(table.name)
+    WriteStamps.wrote(session.connection(), table.name)  # DuckDB's relation API bypasses SQLAlchemy's events
 
 
 def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
@@ -418,6 +421,7 @@ def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, An
     with _arrow_view(session, table, rows, ["id", *columns]) as view:
         session.connection().exec_driver_sql(
             f'UPDATE "{table.name}" SET {assignments} FROM {view} AS source WHERE "{table.name}".id = source.id')
+    WriteStamps.wrote(session.connection(), table.name)  # raw SQL: SQLAlchemy does not know what it writes
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import datetime
 from typing import Any, TypeVar, get_type_hints
 
@@ -38,6 +38,15 @@ from flywheel.gateway.core.store_api import (
     Version,
 )
 from flywheel.gateway.storeproc import dashboard_ops, store_ops
+from flywheel.gateway.storeproc.kept_reads import (
+    FORMATION_TABLES,
+    PENDING_TABLES,
+    REWARD_TABLES,
+    RUN_TABLES,
+    SCORING_TABLES,
+    VERSION_TABLES,
+    kept_reads,
+)
 
 T = TypeVar("T")
 
@@ -51,17 +60,38 @@ class LocalStore:
     async def _run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(function, self.store, self.settings, *args, **kwargs)
 
+    async def _kept(self, key: Hashable, tables: tuple[str, ...], function: Callable[..., T], *args: Any,
+                    keep: Callable[[T], bool] = lambda answer: True) -> T:
+        """``function``'s answer, kept until one of ``tables`` is written (``kept_reads.py``); a kept one is given
+        without a thread."""
+        kept = kept_reads(self.store)
+        hit, answer = kept.kept(key, tables)
+        if hit:
+            return answer
+        return await asyncio.to_thread(kept.read, key, tables, lambda: function(self.store, self.settings, *args),
+                                       keep=keep)
+
     async def close_idle(self) -> int:
         return await self._run(store_ops.close_idle)
 
     async def form_groups(self) -> list[FormedGroup]:
-        return await self._run(store_ops.run_group_formation)
+        # A run that formed nothing runs again only once a table it reads was written.
+        return await self._kept(("form_groups",), FORMATION_TABLES, store_ops.run_group_formation,
+                                keep=lambda formed: not formed)
 
     async def score(self, alias: str | None = None) -> ScoreCounts:
-        return await store_ops.score(self.store, self.settings, alias)
+        kept = kept_reads(self.store)
+        key = ("score", alias)
+        hit, _ = kept.kept(key, SCORING_TABLES)
+        if hit:  # no group was written since a run that found none to score
+            return ScoreCounts()
+        stamp = kept.stamp(SCORING_TABLES)
+        summary = await store_ops.score(self.store, self.settings, alias)
+        kept.keep(key, stamp if summary.groups == 0 else None, None)
+        return summary
 
     async def pending(self, alias: str) -> Pending:
-        return await self._run(store_ops.pending, alias)
+        return await self._kept(("pending", alias), PENDING_TABLES, store_ops.pending, alias)
 
     async def recover(self, rounds: bool = True) -> Recovered:
         return await self._run(store_ops.recover, rounds)
@@ -70,7 +100,7 @@ class LocalStore:
         await self._run(store_ops.record_run, run)
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
-        return await self._run(store_ops.last_runs, alias, jobs)
+        return await self._kept(("last_runs", alias, tuple(jobs)), RUN_TABLES, store_ops.last_runs, alias, jobs)
 
     async def training_batch(self, alias: str, max_groups: int,
                              group_ids: list[str] | None = None) -> list[TrainingGroup]:
@@ -92,13 +122,13 @@ class LocalStore:
         return await self._run(store_ops.failed_round, alias, version, error, group_ids)
 
     async def versions(self, alias: str) -> list[Version]:
-        return await self._run(store_ops.list_versions, alias)
+        return await self._kept(("versions", alias), VERSION_TABLES, store_ops.list_versions, alias)
 
     async def serving(self) -> dict[str, AliasVersions]:
-        return await self._run(store_ops.serving)
+        return await self._kept(("serving",), VERSION_TABLES, store_ops.serving)
 
     async def training_head(self, alias: str) -> Version | None:
-        return await self._run(store_ops.training_head, alias)
+        return await self._kept(("training_head", alias), VERSION_TABLES, store_ops.training_head, alias)
 
     async def promote(self, alias: str, version: int, reason: str, replaced_status: str = "retired") -> Promoted:
         return await self._run(store_ops.promote, alias, version, reason, replaced_status)
@@ -115,13 +145,15 @@ class LocalStore:
 
     async def rewards(self, alias: str, since: datetime | None = None, until: datetime | None = None,
                       versions_in: list[int] | None = None) -> Rewards:
-        return await self._run(store_ops.rewards, alias, since, until, versions_in)
+        key = ("rewards", alias, since, until, tuple(versions_in) if versions_in is not None else None)
+        return await self._kept(key, REWARD_TABLES, store_ops.rewards, alias, since, until, versions_in)
 
     async def canary_rewards(self, alias: str, since: datetime, versions_in: list[int]) -> list[CanaryReward]:
-        return await self._run(store_ops.canary_rewards, alias, since, versions_in)
+        return await self._kept(("canary_rewards", alias, since, tuple(versions_in)), REWARD_TABLES,
+                                store_ops.canary_rewards, alias, since, versions_in)
 
     async def reward_by_version(self, alias: str) -> RewardByVersion:
-        return await self._run(store_ops.reward_by_version, alias)
+        return await self._kept(("reward_by_version", alias), REWARD_TABLES, store_ops.reward_by_version, alias)
 
     async def heldout_contexts(self, alias: str, count: int) -> list[HeldoutContext]:
         return await self._run(store_ops.heldout_contexts, alias, count)
