@@ -45,6 +45,8 @@ from flywheel.capture.models import GroupMember as GroupMemberRow
 from flywheel.capture.store import bulk_insert
 from flywheel.capture.turns import new_id
 
+CLOCK_MARGIN_S = 60.0
+
 
 @dataclass(frozen=True)
 class GroupingRules:
@@ -145,11 +147,17 @@ def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: d
     ``max_size`` count the members a round trains on; a canary's pair sibling joins beyond them."""
     sibling = aliased(Turn)
     forked = select(sibling.completion_id).where(sibling.source == "fork")
+    grouped = select(Group.key).where(Group.source == "fork")
     if since is not None:
         forked = forked.where(col(sibling.created_at) >= since)
-    pending = session.exec(select(Turn.completion_id, Turn.trajectory_id).where(
-        Turn.source != "fork", col(Turn.completion_id).in_(forked),
-        col(Turn.completion_id).not_in(select(Group.key).where(Group.source == "fork"))))
+        # A fork group is formed after its turns were written: one for a turn forked since ``since`` is no older
+        # (a minute's margin for the clocks of several replicas), so older groups need no look (nor older turns).
+        grouped = grouped.where(col(Group.created_at) >= since - timedelta(seconds=CLOCK_MARGIN_S))
+    asked = select(Turn.completion_id, Turn.trajectory_id).where(
+        Turn.source != "fork", col(Turn.completion_id).in_(forked), col(Turn.completion_id).not_in(grouped))
+    if since is not None:  # the client's turn was answered with its siblings, in the same exchange
+        asked = asked.where(col(Turn.created_at) >= since - timedelta(seconds=CLOCK_MARGIN_S))
+    pending = session.exec(asked)
     fork_ids = sorted({completion_id for completion_id, trajectory_id in pending
                        if not held_out(trajectory_id, rules.holdout_fraction)})
     by_completion: dict[str, list[Turn]] = defaultdict(list)

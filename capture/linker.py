@@ -57,19 +57,23 @@ log = logging.getLogger("flywheel.linker")
 T = TypeVar("T")
 
 # Plain SQL (no statement cache on DuckDB); forks are never continued: the client never saw them
-_CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_answer FROM turns WHERE h_out IN :hashes "
-                   "AND source <> 'fork' ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
+# DuckDB reads a table through an index only when the index's column is the one condition: forks are left out here.
+_CANDIDATES = text("SELECT id, trajectory_id, depth, client_key_id, h_out, h_answer, source FROM turns "
+                   "WHERE h_out IN :hashes ORDER BY created_at, id").bindparams(bindparam("hashes", expanding=True))
 # Tail lookups capped at TAIL_CANDIDATES + 1 rows: an index range read, however many turns gave the answer
-_TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at, h_answer FROM turns "
-_AGREEING = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND h_replied_to = :r AND source <> 'fork' LIMIT :limit")
-_ANSWERS = text(_TAIL_COLUMNS + "WHERE h_answer = :h AND source <> 'fork' LIMIT :limit")
-# DuckDB: two statements a batch (each is dear); the pair as one concatenation keeps the read on the h_answer index
-_ANSWERS_BATCH = text(_TAIL_COLUMNS + "WHERE h_answer IN :answers AND source <> 'fork' "
-                      "QUALIFY row_number() OVER (PARTITION BY h_answer) <= :limit"
+_TAIL_COLUMNS = "SELECT id, trajectory_id, depth, client_key_id, h_replied_to, created_at, h_answer"
+_AGREEING = text(_TAIL_COLUMNS + " FROM turns WHERE h_answer = :h AND h_replied_to = :r AND source <> 'fork' "
+                 "LIMIT :limit")
+_ANSWERS = text(_TAIL_COLUMNS + " FROM turns WHERE h_answer = :h AND source <> 'fork' LIMIT :limit")
+# DuckDB: a statement a batch (each is dear), on the h_answer index alone (any other condition makes it scan the
+# table): up to :limit client turns per answer, and per (answer, replied-to) for the popular answers only; forks
+# are counted apart and left out here.
+_ANSWERS_BATCH = text(_TAIL_COLUMNS + ", source FROM turns WHERE h_answer IN :answers "
+                      "QUALIFY row_number() OVER (PARTITION BY h_answer, source = 'fork') <= :limit"
                       ).bindparams(bindparam("answers", expanding=True))
-_AGREEING_BATCH = text(_TAIL_COLUMNS + "WHERE h_answer IN :answers AND h_answer || h_replied_to IN :pairs "
-                       "AND source <> 'fork' QUALIFY row_number() OVER (PARTITION BY h_answer, h_replied_to) <= :limit"
-                       ).bindparams(bindparam("answers", expanding=True), bindparam("pairs", expanding=True))
+_AGREEING_BATCH = text(_TAIL_COLUMNS + ", source FROM turns WHERE h_answer IN :answers "
+                       "QUALIFY row_number() OVER (PARTITION BY h_answer, h_replied_to, source = 'fork') <= :limit"
+                       ).bindparams(bindparam("answers", expanding=True))
 _PARENTS = text("SELECT DISTINCT parent_turn_id FROM turns WHERE parent_turn_id IN :ids").bindparams(
     bindparam("ids", expanding=True))
 _CONVERSATIONS = text("SELECT id, request_messages, response_message FROM turns WHERE id IN :ids").bindparams(
@@ -205,8 +209,10 @@ class TrajectoryLinker:
     def _probe(self, hashes: set[str]) -> None:
         """Stored turns whose ``h_out`` is one of ``hashes``, into ``_by_hash`` (oldest first)."""
         for chunk in chunks(sorted(hashes), 500):
-            for turn_id, trajectory_id, depth, key, h_out, h_answer in self.session.execute(
+            for turn_id, trajectory_id, depth, key, h_out, h_answer, source in self.session.execute(
                     _CANDIDATES, {"hashes": chunk}).all():
+                if source == "fork":
+                    continue
                 candidate = self._candidate(turn_id, trajectory_id, depth, key)
                 candidate.h_answer = h_answer
                 self._by_hash.setdefault(h_out, []).append(candidate)
@@ -220,15 +226,21 @@ class TrajectoryLinker:
         limit = TAIL_CANDIDATES + 1
         found: dict[tuple[str, str | None], list[Any]] = {key: [] for key in keys}
         if self._batched_tails:
-            answers = sorted({answer for answer, _ in keys})
-            pairs = sorted((answer, replied_to) for answer, replied_to in keys if replied_to)
-            for chunk in chunks(answers, 500):
+            answered: dict[str, list[Any]] = {answer: [] for answer, _ in keys}
+            for chunk in chunks(sorted(answered), 500):
                 for row in self.session.execute(_ANSWERS_BATCH, {"answers": chunk, "limit": limit}).all():
-                    found[(row[6], None)].append(row)
-            for some in chunks(pairs, 500):
-                params = {"answers": sorted({a for a, _ in some}), "pairs": [a + r for a, r in some], "limit": limit}
-                for row in self.session.execute(_AGREEING_BATCH, params).all():
-                    found[(row[6], row[4])].append(row)
+                    if row[7] != "fork":
+                        answered[row[6]].append(row)
+            popular = sorted({answer for answer, replied_to in keys if replied_to and len(answered[answer]) >= limit})
+            for answer, replied_to in keys:  # an answer given fewer times: every turn that gave it is read already
+                found[(answer, replied_to)] = [row for row in answered[answer] if replied_to in (None, row[4])]
+            for chunk in chunks(popular, 500):
+                asked = set(chunk)
+                agreeing: dict[tuple[str, str | None], list[Any]] = {k: [] for k in keys if k[0] in asked and k[1]}
+                for row in self.session.execute(_AGREEING_BATCH, {"answers": chunk, "limit": limit}).all():
+                    if row[7] != "fork" and (row[6], row[4]) in agreeing:
+                        agreeing[(row[6], row[4])].append(row)
+                found.update(agreeing)
         else:  # PostgreSQL: one bounded index range read per key (LIMIT), however many turns gave the answer
             for answer, replied_to in sorted(keys, key=str):
                 query, params = (_AGREEING, {"r": replied_to}) if replied_to else (_ANSWERS, {})

@@ -82,7 +82,7 @@ def test_a_commit_counts_once_it_is_visible_and_a_quiet_job_waits_for_a_write(tm
         stamp = store.stamps.stamp(("turns", "trajectories"))
         assert asyncio.run(local.form_groups()) == []  # kept: nothing it reads was written
         assert store.stamps.stamp(("turns", "trajectories")) == stamp
-        for i in range(4):  # four closed attempts at one task form a group once they are written
+        for _ in range(4):  # four closed attempts at one task form a group once they are written
             store.write_turns(prepare_lines([exchange(9)], None, None))
         store.close_idle(0.0, now=utcnow() + timedelta(seconds=1))  # all four, however fine the clock
         formed = asyncio.run(local.form_groups())

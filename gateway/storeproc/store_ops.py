@@ -320,48 +320,87 @@ def _rewarded(session: Session, alias: str, *, since: datetime | None = None, un
               versions_in: list[int] | None = None, judge_only: bool = False,
               ids: list[str] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
     """``trajectory_rewards``, with the ids of the mixed trajectories rather than their count."""
+    if ids is None:
+        versions, told, final = _reward_inputs(session, alias, since, until, judge_only)
+    else:
+        assert since is None and until is None, "ids are chosen already"
+        versions, told, final = _reward_inputs_of(session, alias, ids, judge_only)
+    mixed: set[str] = set()
+    by_id: dict[str, dict[str, Any]] = {}
+    for trajectory_id, closed_at, low, high in versions:
+        if low != high:
+            mixed.add(trajectory_id)
+            continue
+        if versions_in is None or low in versions_in:
+            by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
+    rewards: dict[str, float] = {}
+    for trajectory_id, reward, label in told:  # oldest first: the latest feedback wins
+        if trajectory_id in by_id:
+            with contextlib.suppress(InvalidFeedbackError):
+                rewards[trajectory_id] = feedback_reward(reward, label)
+    for trajectory_id, value in final:
+        if trajectory_id in by_id:
+            rewards[trajectory_id] = value  # the scoring job's final word wins
+    out = [{**row, "reward": rewards[i]} for i, row in by_id.items() if i in rewards and math.isfinite(rewards[i])]
+    out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
+    for row in out:
+        row["closed_at"] = row["closed_at"].isoformat() if row["closed_at"] else None
+    return out, mixed
+
+
+RewardInputs = tuple[list[tuple[str, datetime | None, int, int]], list[tuple[str, float | None, str | None]],
+                     list[tuple[str, float]]]
+
+
+def _reward_inputs(session: Session, alias: str, since: datetime | None, until: datetime | None,
+                   judge_only: bool) -> RewardInputs:
+    """Every closed trajectory of ``alias`` (created in ``[since, until)``): its versions (first and last turn's
+    adapter version), feedback and final rewards, oldest first. One join per table, read as tuples."""
     chosen_ones: list[ColumnElement[bool]] = [col(Trajectory.alias) == alias, col(Trajectory.status) == "closed",
                                               col(Trajectory.close_reason) != "fork"]
     if since is not None:
         chosen_ones.append(col(Trajectory.created_at) >= since)
     if until is not None:
         chosen_ones.append(col(Trajectory.created_at) < until)
-    if ids is not None:
-        chosen_ones.append(col(Trajectory.id).in_(ids))
     query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
              .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
              .where(*chosen_ones, col(Turn.source) != "fork").group_by(col(Trajectory.id), col(Trajectory.closed_at)))
-    rows = session.exec(query).all()
-    mixed: set[str] = set()
-    by_id: dict[str, dict[str, Any]] = {}
-    for trajectory_id, closed_at, low, high in rows:
-        if low != high:
-            mixed.add(trajectory_id)
-            continue
-        if versions_in is None or low in versions_in:
-            by_id[trajectory_id] = {"trajectory_id": trajectory_id, "closed_at": closed_at, "version": int(low)}
-    chosen = list(by_id)
-    # One join per table over the same trajectories, read as tuples: no chunked IN lists, no ORM objects.
-    rewards: dict[str, float] = {}
-    if not judge_only:
-        for trajectory_id, reward, label in session.execute(
-                sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
-                .join(Trajectory, col(Trajectory.id) == col(Feedback.trajectory_id)).where(*chosen_ones)
-                .order_by(col(Feedback.created_at))):
-            if trajectory_id in by_id:
-                with contextlib.suppress(InvalidFeedbackError):
-                    rewards[trajectory_id] = feedback_reward(reward, label)
-    for trajectory_id, value in session.execute(
-            sa_select(col(Score.trajectory_id), col(Score.value))
-            .join(Trajectory, col(Trajectory.id) == col(Score.trajectory_id))
-            .where(*chosen_ones, col(Score.source) == "reward").order_by(col(Score.created_at))):
-        if trajectory_id in by_id:
-            rewards[trajectory_id] = value  # the scoring job's final word wins
-    out = [{**by_id[i], "reward": rewards[i]} for i in chosen if i in rewards and math.isfinite(rewards[i])]
-    out.sort(key=lambda r: (r["closed_at"], r["trajectory_id"]))
-    for row in out:
-        row["closed_at"] = row["closed_at"].isoformat() if row["closed_at"] else None
-    return out, mixed
+    versions = [(i, closed_at, int(low), int(high)) for i, closed_at, low, high in session.exec(query).all()]
+    told = [] if judge_only else [tuple(row) for row in session.execute(
+        sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
+        .join(Trajectory, col(Trajectory.id) == col(Feedback.trajectory_id)).where(*chosen_ones)
+        .order_by(col(Feedback.created_at)))]
+    final = [tuple(row) for row in session.execute(
+        sa_select(col(Score.trajectory_id), col(Score.value))
+        .join(Trajectory, col(Trajectory.id) == col(Score.trajectory_id))
+        .where(*chosen_ones, col(Score.source) == "reward").order_by(col(Score.created_at)))]
+    return versions, told, final
+
+
+def _reward_inputs_of(session: Session, alias: str, ids: list[str], judge_only: bool) -> RewardInputs:
+    """``_reward_inputs`` of the trajectories ``ids``: each table read by its indexed trajectory id alone, every
+    other condition checked here (with another predicate DuckDB scans the table instead of using the index)."""
+    closed = {i: closed_at for i, closed_at, owner, status, reason in session.execute(
+              sa_select(col(Trajectory.id), col(Trajectory.closed_at), col(Trajectory.alias), col(Trajectory.status),
+                        col(Trajectory.close_reason)).where(col(Trajectory.id).in_(ids)))
+              if owner == alias and status == "closed" and reason != "fork"}
+    if not closed:
+        return [], [], []
+    spans: dict[str, tuple[int, int]] = {}
+    for trajectory_id, version, source in session.execute(
+            sa_select(col(Turn.trajectory_id), col(Turn.adapter_version), col(Turn.source))
+            .where(col(Turn.trajectory_id).in_(list(closed)))):
+        if source != "fork":
+            low, high = spans.get(trajectory_id, (version, version))
+            spans[trajectory_id] = (min(low, version), max(high, version))
+    versions = [(i, closed[i], low, high) for i, (low, high) in spans.items()]
+    told = [] if judge_only else [(i, reward, label) for i, reward, label in session.execute(
+        sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
+        .where(col(Feedback.trajectory_id).in_(list(spans))).order_by(col(Feedback.created_at)))]
+    final = [(i, value) for i, value, source in session.execute(
+        sa_select(col(Score.trajectory_id), col(Score.value), col(Score.source))
+        .where(col(Score.trajectory_id).in_(list(spans))).order_by(col(Score.created_at))) if source == "reward"]
+    return versions, told, final
 
 
 def rewards(store: Store, settings: Settings, alias: str, since: datetime | None = None,
