@@ -242,6 +242,9 @@ class Recorder:
                     await asyncio.wait_for(self._write_now.wait(), self.batch_wait_s)
             self._write_now.clear()
             self._wake.clear()
+            if self._next is not None and self._next.done():  # a read woken by feedback took a line meanwhile
+                self._collecting.append(self._next.result())
+                self._next = None
             while len(self._collecting) < self.batch_size and not self.queue.empty():
                 self._collecting.append(self.queue.get_nowait())
             batch, self._collecting = self._collecting, []

@@ -7,6 +7,7 @@ the rows from the DuckDB file once the gateway stopped.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,21 +16,14 @@ import httpx
 import openai
 from sqlmodel import select
 
+from flywheel.capture.feedback import FeedbackItem
 from flywheel.capture.models import Feedback, Trajectory
+from flywheel.capture.recorder import Recorder, Spool
 from flywheel.capture.store import Store
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
-
-
-def start(tmp_path: Path, upstream: ScriptedOpenAI, extra: str) -> GatewayProcess:
-    return GatewayProcess(tmp_path, f"""
-[engines.up]
-base_url = "{upstream.base_url}"
-[aliases.agent]
-engine = "up"
-base_model = "scripted"
-{extra}
-""").start()
+from tests.test_capture import start_gateway
+from tests.test_kept_reads import exchange
 
 
 def metric(gateway: GatewayProcess, name: str) -> float:
@@ -41,7 +35,7 @@ def metric(gateway: GatewayProcess, name: str) -> float:
 
 def test_feedback_rides_the_batch_that_writes_its_turn(tmp_path: Path) -> None:
     with ScriptedOpenAI() as upstream:
-        gateway = start(tmp_path, upstream, "[capture]\nbatch_wait_s = 3.0\n")
+        gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 3.0\n")
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         batches = metric(gateway, "flywheel_capture_batches_total")
 
@@ -82,8 +76,8 @@ def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Pa
     """Group formation and the idle close run every 0.2 s and the status is polled as often: none of them makes the
     store process write the turns of the moment early (each did, one transaction per look)."""
     with ScriptedOpenAI() as upstream:
-        gateway = start(tmp_path, upstream, "[capture]\nbatch_wait_s = 1.0\nidle_close_s = 0.8\n"
-                                            "[groups]\nform_every_s = 0.2\n")
+        gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 1.0\nidle_close_s = 0.8\n"
+                                                    "[groups]\nform_every_s = 0.2\n")
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         batches = metric(gateway, "flywheel_capture_batches_total")
         started = time.monotonic()
@@ -95,3 +89,26 @@ def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Pa
         elapsed = time.monotonic() - started
         gateway.stop()
     assert written <= elapsed / 1.0 + 2, f"{written} write transactions in {elapsed:.1f} s of 1 s batches"
+
+
+async def test_feedback_that_wakes_an_idle_recorder_waits_for_the_lines_that_follow(tmp_path: Path) -> None:
+    """A feedback on an idle recorder opens a batch window; the lines that arrive in it (the first one taken by the
+    read the feedback woke) and the feedback on them are written together, each feedback finding its turn."""
+    store = Store(tmp_path / "s.duckdb")
+    recorder = Recorder(store, Spool(tmp_path / "spool.jsonl"), redactor=None, queue_size=100, batch_size=100,
+                        batch_wait_s=0.3, retry_s=60.0)
+    recorder.start()
+    try:
+        unknown = recorder.record_feedback(FeedbackItem(trajectory_id=None, completion_id="chatcmpl-none"))
+        await asyncio.sleep(0.05)  # the writer is woken, its window open, a read pending on the empty queue
+        answered = []
+        for i in range(2):
+            recorder.submit(exchange(i))
+            answered.append(recorder.record_feedback(FeedbackItem(trajectory_id=None, completion_id=f"chatcmpl-{i}",
+                                                                  reward=1.0)))
+        found = await asyncio.wait_for(asyncio.gather(unknown, *answered), timeout=10)
+        assert found[0] is None and all(recorded is not None for recorded in found[1:])
+        assert recorder.stats["batches"] == 1 and recorder.stats["feedback"] == 2
+    finally:
+        await recorder.drain()
+        store.close()
