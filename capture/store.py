@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-from flywheel.capture.feedback import FeedbackBatch, close_trajectories, write_feedback
+from flywheel.capture.feedback import FeedbackBatch, Recorded, close_trajectories, write_feedback
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
@@ -303,7 +303,8 @@ class Store:
         return len(linker.turns)
 
     def _link_and_write(self, prepared: list[PreparedTurn], *, skip_stored: bool, waiting: ParentWait | None,
-                        feedback: FeedbackBatch | None) -> tuple[TrajectoryLinker, list[PreparedTurn], list[Any]]:
+                        feedback: FeedbackBatch | None
+                        ) -> tuple[TrajectoryLinker, list[PreparedTurn], list[Recorded | None]]:
         """One attempt: link the batch, write its feedback and commit; returns the linker, the turns held back and
         what became of each feedback."""
         with self.session() as session:

@@ -1,4 +1,4 @@
-"""The loop's reads, kept until a table they read is written (docs/storage.md, "Kept reads").
+"""The loop's reads, kept until a table they read is written (docs/loop.md, "Kept reads").
 
 The train, gate and A/B ticks, the status a screen polls and the versions page ask the same few
 questions every second (which version serves, what waits, the reward per version), and between two
