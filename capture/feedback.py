@@ -12,6 +12,7 @@ from sqlmodel import Session, col, select
 
 from flywheel.capture.models import Feedback, Trajectory, Turn, utcnow
 from flywheel.capture.turns import new_id
+from flywheel.capture.write_stamps import CLOSED, WriteStamps, note_rows
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def write_feedback(session: Session, items: Sequence[FeedbackItem]) -> list[Reco
         recorded.append(Recorded(trajectory_id, row.id))
     if rows:
         session.execute(insert(Feedback), [row.model_dump() for row in rows])
+        note_rows(session.connection(), "feedback", rows)
         close_trajectories(session, sorted({row.trajectory_id for row in rows}), "feedback")
     return recorded
 
@@ -72,13 +74,16 @@ def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: 
     if not trajectory_ids:
         return
     now = utcnow()
-    session.execute(update(Trajectory).where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
-                    .values(status="closed", closed_at=now, close_reason=reason)
-                    .execution_options(synchronize_session=False))
-    session.execute(update(Trajectory).where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
-                                             col(Trajectory.status) == "open")
-                    .values(status="closed", closed_at=now, close_reason="parent")
-                    .execution_options(synchronize_session=False))
+    closed = [*session.execute(update(Trajectory)
+                               .where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
+                               .values(status="closed", closed_at=now, close_reason=reason)
+                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False)),
+              *session.execute(update(Trajectory)
+                               .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
+                                      col(Trajectory.status) == "open")
+                               .values(status="closed", closed_at=now, close_reason="parent")
+                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False))]
+    WriteStamps.noted(session.connection(), CLOSED, (trajectory_id for trajectory_id, in closed))
 
 
 def _trajectory_owners(session: Session, ids: list[str]) -> dict[str, str | None]:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import or_
+from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
 
@@ -65,6 +66,15 @@ def held_out(trajectory_id: str, fraction: float) -> bool:
     return bucket < fraction
 
 
+@dataclass(frozen=True)
+class Changed:
+    """What committed since a run looked last, as the store's one writer noted it (``capture/write_stamps.py``):
+    trajectories closed (or given feedback or a final reward), and completions forked."""
+
+    closed: frozenset[str] = frozenset()
+    forked: frozenset[str] = frozenset()
+
+
 def form_groups(session: Session, rules: GroupingRules, now: datetime | None = None, *,
                 since: datetime | None = None) -> list[Group]:
     """Form every group the store allows now; returns the new groups (committed by the caller).
@@ -75,20 +85,8 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
     """
     now = now or utcnow()
     since = None if rules.cohorts else since
-    forked = _fork_groups(session, rules, now, since)
-    grouped = select(GroupMemberRow.trajectory_id).join(Group, col(Group.id) == col(GroupMemberRow.group_id)) \
-        .where(Group.source != "fork")
-    not_a_fork = or_(col(Trajectory.close_reason).is_(None), col(Trajectory.close_reason) != "fork")
-    query = select(Trajectory).where(Trajectory.status == "closed", col(Trajectory.id).not_in(grouped), not_a_fork,
-                                     col(Trajectory.parent_trajectory_id).is_(None))  # scored with their parent
-    if since is not None:
-        changed = aliased(Trajectory)
-        query = query.where(or_(
-            col(Trajectory.task_key).in_(select(changed.task_key).where(col(changed.closed_at) >= since)),
-            col(Trajectory.group_key).in_(select(changed.group_key).where(col(changed.closed_at) >= since))))
-    closed = list(session.exec(query.order_by(col(Trajectory.created_at), col(Trajectory.id))))
-    still_open = set(session.exec(select(Trajectory.group_key).where(Trajectory.status == "open",
-                                                                     col(Trajectory.group_key).is_not(None))))
+    forked = _fork_groups(session, rules, now, _forks_since(session, since))
+    closed, still_open = _closed_since(session, since)
     explicit = [t for t in closed if t.group_key and t.group_key not in still_open]  # wait for every rollout
     rows: list[GroupMemberRow] = []
     formed = _keyed_groups(rows, "explicit", explicit, lambda t: t.group_key, rules, now, window_s=None)
@@ -105,6 +103,153 @@ def form_groups(session: Session, rules: GroupingRules, now: datetime | None = N
     return forked + formed
 
 
+def _closed_since(session: Session, since: datetime | None) -> tuple[list[Trajectory], set[str]]:
+    """Closed trajectories in no group but a fork group (of the keys a trajectory closed since ``since``), oldest
+    first, and the group keys with a trajectory still open."""
+    grouped = select(GroupMemberRow.trajectory_id).join(Group, col(Group.id) == col(GroupMemberRow.group_id)) \
+        .where(Group.source != "fork")
+    not_a_fork = or_(col(Trajectory.close_reason).is_(None), col(Trajectory.close_reason) != "fork")
+    query = select(Trajectory).where(Trajectory.status == "closed", col(Trajectory.id).not_in(grouped), not_a_fork,
+                                     col(Trajectory.parent_trajectory_id).is_(None))  # scored with their parent
+    if since is not None:
+        changed = aliased(Trajectory)
+        query = query.where(or_(
+            col(Trajectory.task_key).in_(select(changed.task_key).where(col(changed.closed_at) >= since)),
+            col(Trajectory.group_key).in_(select(changed.group_key).where(col(changed.closed_at) >= since))))
+    closed = list(session.exec(query.order_by(col(Trajectory.created_at), col(Trajectory.id))))
+    still_open = {key for key in session.exec(select(Trajectory.group_key).where(
+        Trajectory.status == "open", col(Trajectory.group_key).is_not(None))) if key}
+    return closed, still_open
+
+
+def _in_a_group(session: Session, trajectory_ids: list[str]) -> set[str]:
+    """Which of ``trajectory_ids`` are in a group other than a fork group."""
+    memberships: list[tuple[str, str]] = []
+    for chunk in chunks(trajectory_ids, 500):
+        memberships += [tuple(row) for row in session.execute(
+            sa_select(col(GroupMemberRow.trajectory_id), col(GroupMemberRow.group_id))
+            .where(col(GroupMemberRow.trajectory_id).in_(chunk)))]
+    sources: dict[str, str] = {}
+    for chunk in chunks(sorted({group_id for _, group_id in memberships}), 500):
+        sources.update(tuple(row) for row in session.execute(sa_select(col(Group.id), col(Group.source))
+                                                              .where(col(Group.id).in_(chunk))))
+    return {trajectory_id for trajectory_id, group_id in memberships if sources.get(group_id) != "fork"}
+
+
+class Candidate(NamedTuple):
+    """A closed trajectory in no group yet: what forming its group needs of it."""
+
+    id: str
+    alias: str
+    task_key: str | None
+    group_key: str | None
+    created_at: datetime
+    latest_turn_id: str | None
+
+
+_CANDIDATE_COLUMNS = (col(Trajectory.id), col(Trajectory.alias), col(Trajectory.task_key), col(Trajectory.group_key),
+                      col(Trajectory.created_at), col(Trajectory.latest_turn_id), col(Trajectory.status),
+                      col(Trajectory.close_reason), col(Trajectory.parent_trajectory_id))
+MAX_WAITING = 200_000  # candidates kept; beyond, the oldest are let go (a full pass finds them again)
+
+
+class Waiting:
+    """The closed trajectories in no group yet, by the key they wait on (an explicit group key, or a task key), kept
+    by the store's one writer between runs: a run reads only the trajectories its own writes closed since the last
+    one, by id, and forms groups where a key has enough (docs/loop.md, "Incremental jobs")."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple[str, str, str], dict[str, Candidate]] = {}  # (source, alias, key) -> id -> candidate
+
+    def form(self, session: Session, rules: GroupingRules, changed: Changed | None,
+             now: datetime | None = None) -> list[Group]:
+        """The groups ``changed`` lets form (None: read every closed trajectory in no group, as a first run)."""
+        now = now or utcnow()
+        if changed is None:
+            self.keys.clear()
+            forks = _forks_since(session, None)
+            closed, still_open = _closed_since(session, None)
+            touched = self._add(rules, [_candidate(t) for t in closed])
+        else:
+            forks = _forks_of(session, sorted(changed.forked))
+            touched = self._add(rules, self._read(session, sorted(changed.closed)))
+            still_open = _still_open(session, sorted({key for source, _, key in touched if source == "explicit"}))
+        forked = _fork_groups(session, rules, now, forks)
+        formable = [k for k in touched if not (k[0] == "explicit" and k[2] in still_open)]  # every rollout closed
+        formable = [key for key in formable if self._formable(rules, key)]
+        if changed is not None:  # a candidate a group took since (an SDK's explicit group, one formed before)
+            for trajectory_id in _in_a_group(session, [i for key in formable for i in self.keys[key]]):
+                for key in formable:
+                    self.keys[key].pop(trajectory_id, None)
+        rows: list[GroupMemberRow] = []
+        formed = []
+        for key in formable:
+            for members in self._formable(rules, key):
+                formed.append(_new_group(rows, key[0], key[2], key[1], members, now))
+                for member in members:
+                    del self.keys[key][member.id]
+            if not self.keys[key]:
+                del self.keys[key]
+        _insert(session, formed, rows)
+        return forked + formed
+
+    def _read(self, session: Session, ids: list[str]) -> list[Candidate]:
+        """The closed trajectories among ``ids`` that may join a group, read by id."""
+        found = []
+        for chunk in chunks(ids, 500):
+            for (trajectory_id, alias, task_key, group_key, created_at, latest, status, reason,
+                 parent) in session.execute(sa_select(*_CANDIDATE_COLUMNS).where(col(Trajectory.id).in_(chunk))):
+                if status == "closed" and reason != "fork" and parent is None:  # sub-agents: scored with their parent
+                    found.append(Candidate(trajectory_id, alias, task_key, group_key, created_at, latest))
+        return found
+
+    def _add(self, rules: GroupingRules, candidates: list[Candidate]) -> list[tuple[str, str, str]]:
+        """Add ``candidates`` under their keys (an explicit group's, else a task's, held-out ones left out); the keys
+        that got one."""
+        touched: dict[tuple[str, str, str], None] = {}
+        for candidate in candidates:
+            if candidate.group_key:
+                key = ("explicit", candidate.alias, candidate.group_key)
+            elif candidate.task_key and not held_out(candidate.id, rules.holdout_fraction):
+                key = ("task", candidate.alias, candidate.task_key)
+            else:
+                continue
+            self.keys.setdefault(key, {})[candidate.id] = candidate
+            touched[key] = None
+        if sum(len(members) for members in self.keys.values()) > MAX_WAITING:
+            self._let_go(MAX_WAITING * 9 // 10)
+        return [key for key in touched if key in self.keys]
+
+    def _formable(self, rules: GroupingRules, key: tuple[str, str, str]) -> list[list[Candidate]]:
+        """The groups ``key``'s candidates form now."""
+        waiting = sorted(self.keys.get(key, {}).values(), key=lambda c: (c.created_at, c.id))
+        return _formable(waiting, rules, None if key[0] == "explicit" else rules.task_window_s)
+
+    def _let_go(self, keep: int) -> None:
+        """Keep the ``keep`` newest candidates."""
+        newest = sorted(((c.created_at, c.id, key) for key, members in self.keys.items() for c in members.values()),
+                        reverse=True)
+        for _, trajectory_id, key in newest[keep:]:
+            del self.keys[key][trajectory_id]
+            if not self.keys[key]:
+                del self.keys[key]
+
+
+def _candidate(trajectory: Trajectory) -> Candidate:
+    return Candidate(trajectory.id, trajectory.alias, trajectory.task_key, trajectory.group_key,
+                     trajectory.created_at, trajectory.latest_turn_id)
+
+
+def _still_open(session: Session, group_keys: list[str]) -> set[str]:
+    """Which of ``group_keys`` have a trajectory still open (read by the group key's index alone)."""
+    found: set[str] = set()
+    for chunk in chunks(group_keys, 500):
+        found |= {key for key, status in session.execute(sa_select(col(Trajectory.group_key), col(Trajectory.status))
+                                                         .where(col(Trajectory.group_key).in_(chunk)))
+                  if status == "open"}
+    return found
+
+
 def _insert(session: Session, groups: list[Group], members: list[GroupMemberRow]) -> None:
     """New groups and their members, one multi-row insert per table (the ORM writes row by row)."""
     bulk_insert(session, Group, [g.model_dump() for g in groups])
@@ -118,20 +263,30 @@ def _keyed_groups(rows: list[GroupMemberRow], source: str, trajectories: list[Tr
         key = key_of(trajectory)  # type: ignore[operator]
         if key:
             buckets[(trajectory.alias, key)].append(trajectory)
-    formed = []
-    for (alias, key), members in buckets.items():
-        for window in _windows(members, window_s):
-            if len(window) >= rules.min_size:
-                formed.append(_new_group(rows, source, key, alias, window[: rules.max_size], now))
-    return formed
+    return [_new_group(rows, source, key, alias, members, now)
+            for (alias, key), waiting in buckets.items() for members in _formable(waiting, rules, window_s)]
 
 
-def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list[Trajectory]]:
+def _formable(waiting: list[Member], rules: GroupingRules, window_s: float | None) -> list[list[Member]]:
+    """The groups ``waiting`` (oldest first) forms now: the first ``max_size`` of each window holding at least
+    ``min_size``, then again over what is left, until no window does."""
+    groups: list[list[Member]] = []
+    while taken := [w[: rules.max_size] for w in _windows(waiting, window_s) if len(w) >= rules.min_size]:
+        groups += taken
+        gone = {member.id for members in taken for member in members}
+        waiting = [member for member in waiting if member.id not in gone]
+    return groups
+
+
+Member = TypeVar("Member", Trajectory, Candidate)
+
+
+def _windows(members: list[Member], window_s: float | None) -> Iterable[list[Member]]:
     """Split time-ordered trajectories into runs whose first and last are within ``window_s``."""
     if window_s is None:
         yield members
         return
-    current: list[Trajectory] = []
+    current: list[Member] = []
     for trajectory in members:
         if current and trajectory.created_at - current[0].created_at > timedelta(seconds=window_s):
             yield current
@@ -141,10 +296,9 @@ def _windows(members: list[Trajectory], window_s: float | None) -> Iterable[list
         yield current
 
 
-def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: datetime | None) -> list[Group]:
-    """One group per forked completion: the client's choice(s) plus the gateway's siblings; none for a turn of a
-    held-out conversation, so that its first request stays a context the promotion gate can use. ``min_size`` and
-    ``max_size`` count the members a round trains on; a canary's pair sibling joins beyond them."""
+def _forks_since(session: Session, since: datetime | None) -> dict[str, list[Turn]]:
+    """The turns of each forked completion (the client's and its siblings') with no fork group yet, forked since
+    ``since``."""
     sibling = aliased(Turn)
     forked = select(sibling.completion_id).where(sibling.source == "fork")
     grouped = select(Group.key).where(Group.source == "fork")
@@ -153,23 +307,46 @@ def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: d
         # A fork group is formed after its turns were written: one for a turn forked since ``since`` is no older
         # (a minute's margin for the clocks of several replicas), so older groups need no look (nor older turns).
         grouped = grouped.where(col(Group.created_at) >= since - timedelta(seconds=CLOCK_MARGIN_S))
-    asked = select(Turn.completion_id, Turn.trajectory_id).where(
+    asked = select(Turn.completion_id).where(
         Turn.source != "fork", col(Turn.completion_id).in_(forked), col(Turn.completion_id).not_in(grouped))
     if since is not None:  # the client's turn was answered with its siblings, in the same exchange
         asked = asked.where(col(Turn.created_at) >= since - timedelta(seconds=CLOCK_MARGIN_S))
-    pending = session.exec(asked)
-    fork_ids = sorted({completion_id for completion_id, trajectory_id in pending
-                       if not held_out(trajectory_id, rules.holdout_fraction)})
+    return _turns_of(session, sorted(set(session.exec(asked))))
+
+
+def _forks_of(session: Session, completion_ids: list[str]) -> dict[str, list[Turn]]:
+    """``_forks_since`` for ``completion_ids``: their turns and their fork groups, each read by its index alone."""
+    grouped: set[str] = set()
+    for chunk in chunks(completion_ids, 500):
+        grouped |= {key for key, source in session.execute(sa_select(col(Group.key), col(Group.source))
+                                                           .where(col(Group.key).in_(chunk))) if source == "fork"}
+    turns = _turns_of(session, [c for c in completion_ids if c not in grouped])
+    return {completion_id: found for completion_id, found in turns.items()
+            if any(turn.source != "fork" for turn in found)}  # the client's turn is stored too
+
+
+def _turns_of(session: Session, completion_ids: list[str]) -> dict[str, list[Turn]]:
     by_completion: dict[str, list[Turn]] = defaultdict(list)
-    for chunk in chunks(fork_ids, 500):
+    for chunk in chunks(completion_ids, 500):
         for turn in session.exec(select(Turn).where(col(Turn.completion_id).in_(chunk))
                                  .order_by(col(Turn.completion_id), col(Turn.choice_index))):
             by_completion[turn.completion_id].append(turn)
+    return by_completion
+
+
+def _fork_groups(session: Session, rules: GroupingRules, now: datetime,
+                 by_completion: dict[str, list[Turn]]) -> list[Group]:
+    """One group per forked completion: the client's choice(s) plus the gateway's siblings; none for a turn of a
+    held-out conversation, so that its first request stays a context the promotion gate can use. ``min_size`` and
+    ``max_size`` count the members a round trains on; a canary's pair sibling joins beyond them."""
     formed: list[Group] = []
     rows: list[GroupMemberRow] = []
-    for completion_id in fork_ids:
-        trained = [turn for turn in by_completion[completion_id] if not turn.canary_pair]
-        pairs = [turn for turn in by_completion[completion_id] if turn.canary_pair]  # judged with it, not trained
+    for completion_id in sorted(by_completion):
+        turns = by_completion[completion_id]
+        if all(held_out(t.trajectory_id, rules.holdout_fraction) for t in turns if t.source != "fork"):
+            continue
+        trained = [turn for turn in turns if not turn.canary_pair]
+        pairs = [turn for turn in turns if turn.canary_pair]  # judged with it, not trained
         if len(trained) >= rules.min_size:
             formed.append(_new_group(rows, "fork", completion_id, trained[0].alias,
                                      trained[: rules.max_size] + pairs, now))
@@ -178,7 +355,7 @@ def _fork_groups(session: Session, rules: GroupingRules, now: datetime, since: d
 
 
 def _new_group(rows: list[GroupMemberRow], source: str, key: str, alias: str,
-               members: list[Trajectory] | list[Turn], now: datetime) -> Group:
+               members: Sequence[Trajectory | Candidate] | list[Turn], now: datetime) -> Group:
     """A closed group of ``members`` (their rows appended to ``rows``; both added to the session by the caller)."""
     group = Group(id=new_id("grp"), source=source, key=key, alias=alias, status="closed", size=len(members),
                   created_at=now, closed_at=now)

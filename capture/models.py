@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, Column, DateTime, Index
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 7  # bump with a named migration in capture/store.py
+SCHEMA_VERSION = 8  # bump with a named migration in capture/store.py
 
 
 def utcnow() -> datetime:
@@ -128,7 +128,7 @@ class GroupMember(SQLModel, table=True):
 
     __tablename__ = "group_members"
     group_id: str = Field(primary_key=True)
-    trajectory_id: str = Field(primary_key=True)
+    trajectory_id: str = Field(primary_key=True, index=True)
     leaf_turn_id: str | None = None
     added_at: datetime = _ts()
 

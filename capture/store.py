@@ -35,7 +35,7 @@ from flywheel.capture.feedback import FeedbackBatch, Recorded, close_trajectorie
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
-from flywheel.capture.write_stamps import WriteStamps
+from flywheel.capture.write_stamps import CLOSED, WriteStamps, note_rows
 
 log = logging.getLogger("flywheel.store")
 
@@ -86,6 +86,12 @@ def _canary_pair(connection: Any) -> None:
     connection.execute(text("ALTER TABLE turns ADD COLUMN canary_pair BOOLEAN"))
 
 
+def _group_member_index(connection: Any) -> None:
+    """7 -> 8: group members are found by their trajectory (is it grouped already?) through an index, not a scan of
+    every member of every group."""
+    connection.execute(text("CREATE INDEX ix_group_members_trajectory_id ON group_members (trajectory_id)"))
+
+
 # Named migrations: version N -> N+1. Each runs in its own transaction and is recorded.
 MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version decisions", _loop_tables),
                                           2: ("sdk: eval_metrics", _eval_metrics_table),
@@ -94,7 +100,8 @@ MIGRATIONS: dict[int, tuple[str, Any]] = {1: ("loop: job_runs, adapter version d
                                               _tail_evidence_index),
                                           5: ("forks: inclusion probabilities of siblings drawn without replacement",
                                               _inclusion_logprob),
-                                          6: ("forks: the canary's pair sibling, left out of training", _canary_pair)}
+                                          6: ("forks: the canary's pair sibling, left out of training", _canary_pair),
+                                          7: ("groups: members found by their trajectory", _group_member_index)}
 
 
 CONFLICT_RETRY_S = 5.0  # a job's transaction (forming groups, scoring) may hold a trajectory for a second or more
@@ -348,6 +355,7 @@ class Store:
                                      .values(status="closed", closed_at=now, close_reason="idle")
                                      .returning(col(Trajectory.id))
                                      .execution_options(synchronize_session=False)).all()
+            WriteStamps.noted(session.connection(), CLOSED, (trajectory_id for trajectory_id, in closed))
             session.commit()
             return len(closed)
 
@@ -397,6 +405,7 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
     if not rows:
         return
     table = model.__table__  # type: ignore[attr-defined]
+    note_rows(session.connection(), table.name, rows)
     if session.get_bind().dialect.name != "duckdb":
         session.execute(insert(table), rows)
         return

@@ -1,24 +1,33 @@
-"""The loop's incremental jobs: group formation and reward per version from a watermark never lose a trajectory,
-and find what a full pass finds; the idle close; and the record of the jobs' runs, where an idle run replaces the last
-idle one."""
+"""The loop's incremental jobs: group formation and reward per version, from what the store process's own writes
+changed (DuckDB, its one writer) or from a watermark (a shared PostgreSQL store), never lose a trajectory and find
+what a full pass finds; the idle close; and the record of the jobs' runs, where an idle run replaces the last idle
+one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from random import Random
 from typing import Any
 
 import pytest
-from sqlmodel import select
+from sqlalchemy import event
+from sqlmodel import Session, select
 
+from flywheel.capture.feedback import FeedbackItem, close_trajectories, write_feedback
+from flywheel.capture.groups import GroupingRules, Waiting, form_groups
 from flywheel.capture.models import Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
-from flywheel.capture.store import Store
+from flywheel.capture.store import Store, bulk_insert
 from flywheel.capture.turns import new_id
+from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import JobRunRecord
 from flywheel.gateway.storeproc import store_ops
 
 SETTINGS = Settings(groups={"min_size": 2, "max_size": 4})
+SHARED = pytest.mark.parametrize("database", ["postgresql"], indirect=True)  # watermarks: other replicas write too
+ONE_WRITER = pytest.mark.parametrize("database", ["duckdb"], indirect=True)  # its own writes tell what changed
 
 
 def closed(store: Store, trajectory_id: str, task: str, closed_at: datetime) -> None:
@@ -33,6 +42,32 @@ def closed(store: Store, trajectory_id: str, task: str, closed_at: datetime) -> 
         session.commit()
 
 
+def look_at_everything(store: Store) -> None:
+    """The next run of the incremental jobs reads every row, as the first one does."""
+    if store.shared:
+        if store in store_ops.FORMATION_MARKS:
+            store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S
+    else:
+        store.stamps.forget()
+
+
+def incremental_next(store: Store) -> bool:
+    """Whether the next formation run reads only what changed."""
+    if store.shared:
+        return store_ops.FORMATION_MARKS[store].look().since is not None
+    return store in store_ops.FORMATIONS
+
+
+def each_group(store: Store) -> list[tuple[str, list[str]]]:
+    """Every group's key and members."""
+    members: dict[str, list[str]] = {}
+    with store.session() as session:
+        for group_id, key, trajectory_id in session.exec(select(Group.id, Group.key, GroupMember.trajectory_id)
+                                                         .join(GroupMember, GroupMember.group_id == Group.id)):
+            members.setdefault(f"{key}\0{group_id}", []).append(trajectory_id)
+    return sorted((name.split("\0")[0], sorted(ids)) for name, ids in members.items())
+
+
 def groups_of(store: Store) -> dict[str, set[str]]:
     with store.session() as session:
         rows = session.exec(select(Group.key, GroupMember.trajectory_id)
@@ -43,6 +78,7 @@ def groups_of(store: Store) -> dict[str, set[str]]:
     return out
 
 
+@SHARED
 def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(store: Store) -> None:
     closed(store, "t1", "task-x", utcnow())
     assert store_ops.run_group_formation(store, SETTINGS) == []  # the first run: a full pass
@@ -55,6 +91,7 @@ def test_a_trajectory_committed_after_a_run_that_closed_before_it_is_grouped(sto
     assert groups_of(store) == {"task-x": {"t1", "t2"}}
 
 
+@SHARED
 def test_a_write_that_committed_much_later_is_grouped_by_the_next_long_look(store: Store) -> None:
     closed(store, "t1", "task-z", utcnow() - timedelta(hours=1))
     assert store_ops.run_group_formation(store, SETTINGS) == []  # a full pass: one member, no group yet
@@ -70,6 +107,7 @@ def test_a_write_that_committed_much_later_is_grouped_by_the_next_long_look(stor
     assert groups_of(store) == {"task-z": {"t1", "t2"}}
 
 
+@SHARED
 def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None:
     assert store_ops.run_group_formation(store, SETTINGS) == []
     long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
@@ -79,6 +117,56 @@ def test_what_the_watermark_cannot_see_the_full_pass_finds(store: Store) -> None
     store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S  # a full pass is due
     assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-y"]
     assert store_ops.FORMATION_MARKS[store].look().since is not None
+
+
+@ONE_WRITER
+def test_what_this_process_wrote_is_grouped_however_old_and_a_run_after_no_write_reads_nothing(store: Store) -> None:
+    statements: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    assert store_ops.run_group_formation(store, SETTINGS) == []  # the first run reads everything
+    long_ago = utcnow() - timedelta(hours=2)  # older than any watermark's look back (a replayed spool)
+    closed(store, "t1", "task-y", long_ago)
+    closed(store, "t2", "task-y", long_ago + timedelta(seconds=1))
+    assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-y"]
+    statements.clear()
+    assert store_ops.run_group_formation(store, SETTINGS) == []
+    assert statements == []  # nothing was written since: nothing to read
+
+
+@ONE_WRITER
+def test_the_store_s_own_closes_feedback_and_rewards_are_followed_and_a_rolled_back_write_is_not(store: Store) -> None:
+    now = utcnow()
+    closed_ones, rewarded_ones = store.stamps.follow(CLOSED), store.stamps.follow(REWARDED)
+    with store.session() as session:
+        for trajectory_id in ("t1", "t2", "t3"):
+            session.add(Trajectory(id=trajectory_id, alias="a", task_key="task-q", created_at=now, updated_at=now,
+                                   turn_count=1, latest_turn_id=f"turn_{trajectory_id}"))
+            session.add(Turn(id=f"turn_{trajectory_id}", trajectory_id=trajectory_id,
+                             completion_id=f"c_{trajectory_id}", requested_model="a", alias="a", engine_model="m",
+                             h_ctx="x", h_out=f"o_{trajectory_id}", task_key="task-q", adapter_version=3,
+                             created_at=now))
+        session.commit()
+    assert closed_ones.take() == rewarded_ones.take() == set()  # open trajectories: nothing a job follows
+    assert store_ops.run_group_formation(store, SETTINGS) == []
+    assert store_ops.reward_by_version(store, SETTINGS, "a").versions == {}
+    with store.session() as session:  # feedback as a batch writes it: the trajectory closes
+        write_feedback(session, [FeedbackItem(trajectory_id="t1", completion_id=None, reward=0.25)])
+        session.rollback()
+    assert closed_ones.take() == rewarded_ones.take() == set()
+    with store.session() as session:
+        write_feedback(session, [FeedbackItem(trajectory_id="t1", completion_id=None, reward=0.25)])
+        session.commit()
+    assert store.close_idle(0.0, now=utcnow() + timedelta(seconds=1)) == 2  # t2, t3
+    assert closed_ones.take() == {"t1", "t2", "t3"} and rewarded_ones.take() == {"t1"}
+    assert [g.key for g in store_ops.run_group_formation(store, SETTINGS)] == ["task-q"]
+    assert store_ops.reward_by_version(store, SETTINGS, "a").versions["3"].n == 1
+    with store.session() as session:  # a final reward as scoring writes it (bulk)
+        bulk_insert(session, Score, [Score(id="s_t2", trajectory_id="t2", source="reward", value=0.75).model_dump()])
+        session.commit()
+    assert closed_ones.take() == set() and rewarded_ones.take() == {"t2"}
+    summary = store_ops.reward_by_version(store, SETTINGS, "a").versions["3"]
+    assert (summary.n, summary.mean) == (2, pytest.approx(0.5))
+    assert summary.model_dump(exclude_none=True) == pytest.approx(from_scratch(store)["versions"]["3"])
 
 
 def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Path) -> None:
@@ -92,14 +180,61 @@ def test_incremental_runs_form_what_full_passes_form(store: Store, tmp_path: Pat
             for store in (incremental, full):
                 for trajectory_id, task, at in written[start:start + 3]:
                     closed(store, trajectory_id, task, at)
-                if store is full and store in store_ops.FORMATION_MARKS:
-                    store_ops.FORMATION_MARKS[store].full_at -= store_ops.FULL_PASS_S
+                if store is full:
+                    look_at_everything(store)
                 store_ops.run_group_formation(store, SETTINGS)
-        assert store_ops.FORMATION_MARKS[incremental].look().since is not None
+        assert incremental_next(incremental)
         by_runs, by_full = ({key: sorted(members) for key, members in groups_of(s).items()}
                             for s in (incremental, full))
         assert by_runs == by_full
         assert sum(len(m) for m in by_runs.values()) >= 20
+    finally:
+        full.close()
+
+
+@ONE_WRITER
+def test_what_waits_forms_what_a_full_pass_forms_through_closes_explicit_keys_windows_and_taken_members(
+        store: Store, tmp_path: Path) -> None:
+    """A random sequence on two stores: trajectories closed and left open (task keys, explicit group keys, created
+    hours apart), open ones closed later, closed ones taken by a group an SDK posted; after each step one store forms
+    from what waits and what its writes closed, the other by a full pass; the same groups."""
+    rules = GroupingRules(min_size=2, max_size=3, task_window_s=3600, holdout_fraction=0.25)
+    waiting, full = Waiting(), Store(tmp_path / "full.duckdb")
+    changes = store_ops.Changes(store.stamps.follow(CLOSED), store.stamps.follow(FORKED))
+    random = Random(7)
+    now, opened, closed_ids = utcnow(), [], []
+    try:
+        for step in range(150):
+            write: Callable[[Session], Any] | None = None
+            if random.random() < 0.6:
+                row = {"id": f"t{step}", "alias": "a", "status": random.choice(["open", "closed", "closed"]),
+                       "task_key": f"task-{random.randrange(4)}", "turn_count": 1, "latest_turn_id": f"turn{step}",
+                       "group_key": random.choice([None, None, None, "g1", "g2"]), "updated_at": now,
+                       "created_at": now - timedelta(seconds=random.randrange(3 * 3600))}
+                (opened if row["status"] == "open" else closed_ids).append(row["id"])
+                write = lambda session, row=row: session.add(  # noqa: E731
+                    Trajectory(**row, closed_at=now if row["status"] == "closed" else None))
+            elif random.random() < 0.5 and opened:
+                closed_ids.append(trajectory_id := opened.pop(0))
+                write = lambda session, ids=[trajectory_id]: close_trajectories(session, ids, "client")  # noqa: E731
+            elif len(closed_ids) >= 2:  # an SDK posts a group of two closed trajectories
+                taken = random.sample(closed_ids, 2)
+                write = lambda session, taken=taken, key=f"sdk{step}": session.add_all([  # noqa: E731
+                    Group(id=key, source="explicit", key=key, alias="a", status="scored", size=2),
+                    *(GroupMember(group_id=key, trajectory_id=t) for t in taken)])
+            for target in (store, full):
+                with target.session() as session:
+                    if write is not None:
+                        write(session)
+                    if target is store:
+                        session.commit()
+                        waiting.form(session, rules, changes.take())
+                    else:
+                        form_groups(session, rules)
+                    session.commit()
+            assert each_group(store) == each_group(full), step
+        assert sum(key.startswith("task") for key in groups_of(store)) >= 3
+        assert {"g1", "g2"} & set(groups_of(store))
     finally:
         full.close()
 
@@ -126,9 +261,12 @@ def rewarded(store: Store, trajectory_id: str, version: int, *, feedback: float 
 
 
 def from_scratch(store: Store) -> dict[str, Any]:
-    """What ``reward_by_version`` answers after a full pass."""
-    store_ops.VERSION_REWARDS.pop(store, None)
-    return store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
+    """What ``reward_by_version`` answers from every stored trajectory: the first call of a store opened afresh."""
+    fresh = Store(store.url)
+    try:
+        return store_ops.reward_by_version(fresh, SETTINGS, "a").model_dump(exclude_none=True)
+    finally:
+        fresh.close()
 
 
 def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Store) -> None:
@@ -136,14 +274,12 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
     running sums answer what a recomputation from every stored trajectory answers."""
     writes = [("t1", 0, 0.2, None), ("t2", 0, 0.6, None), ("t3", 1, None, 0.9), ("t1", 0, None, 1.0),
               ("t4", 1, 0.1, None), ("t4", 1, 0.5, None), ("t5", 2, 0.3, 0.7), ("t2", 0, None, 0.0)]
-    kept = None
     for trajectory_id, version, feedback, score in writes:
         rewarded(store, trajectory_id, version, feedback=feedback, score=score)
-        if kept is not None:
-            store_ops.VERSION_REWARDS[store] = kept
         answer = store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
         kept = store_ops.VERSION_REWARDS[store]
-        assert kept[("a", False)].mark.look().since is not None  # answered from the watermark after the first
+        sums = kept[("a", False)]
+        assert sums.mark.look().since is not None if store.shared else sums.followed is not None  # after the first
         expected = from_scratch(store)
         assert answer["mixed"] == expected["mixed"]
         assert answer["versions"].keys() == expected["versions"].keys()
@@ -155,22 +291,20 @@ def test_rewards_per_version_kept_from_changes_equal_a_recomputation(store: Stor
 
 
 def test_a_quiet_run_replaces_the_previous_quiet_runs_of_its_job_and_alias_only(store: Store) -> None:
-    def run(job: str, alias: str | None, status: str) -> str:
-        record = JobRunRecord(id=new_id("job"), job=job, alias=alias, status=status, started_at=utcnow(),
-                              finished_at=utcnow(), counts={"n": 1}, detail=f"{job} {status}")
-        store_ops.record_run(store, SETTINGS, record)
-        return record.id
+    """Across the loop's sends of its runs, and within one send."""
+    def run(job: str, alias: str | None, status: str) -> JobRunRecord:
+        return JobRunRecord(id=new_id("job"), job=job, alias=alias, status=status, started_at=utcnow(),
+                            finished_at=utcnow(), counts={"n": 1}, detail=f"{job} {status}")
 
     kept = [run("score", None, "ok"), run("score", "a", "idle"), run("form_groups", None, "waiting"),
             run("score", None, "failed")]
-    run("score", None, "idle")
-    run("score", None, "waiting")
-    latest = run("score", None, "idle")
+    store_ops.record_runs(store, SETTINGS, [*kept, run("score", None, "idle")])
+    store_ops.record_runs(store, SETTINGS, [run("score", None, "waiting"), latest := run("score", None, "idle")])
     with store.session() as session:
         rows = {r.id: r for r in session.exec(select(JobRun))}
-    assert set(rows) == {*kept, latest}  # only the earlier quiet runs of score (alias-wide) are gone
-    assert (rows[latest].status, rows[latest].counts, rows[latest].detail) == ("idle", {"n": 1}, "score idle")
-    assert rows[latest].finished_at is not None
+    assert set(rows) == {r.id for r in [*kept, latest]}  # only the earlier quiet runs of score (alias-wide) are gone
+    row = rows[latest.id]
+    assert (row.status, row.counts, row.detail) == ("idle", {"n": 1}, "score idle") and row.finished_at is not None
 
 
 def test_the_idle_close_closes_only_open_trajectories_quiet_for_idle_s(store: Store) -> None:

@@ -61,8 +61,8 @@ def test_a_kept_answer_holds_until_its_table_is_written(store: Store, tmp_path: 
     assert rewards.versions == {} and asyncio.run(local.reward_by_version("agent")).versions["0"].n == 1
 
     runs = asyncio.run(local.last_runs("agent", ["train"]))
-    asyncio.run(local.record_run(JobRunRecord(id="job_1", job="train", alias="agent", status="ok",
-                                              started_at=utcnow(), finished_at=utcnow())))
+    asyncio.run(local.record_runs([JobRunRecord(id="job_1", job="train", alias="agent", status="ok",
+                                                started_at=utcnow(), finished_at=utcnow())]))
     assert runs == {} and asyncio.run(local.last_runs("agent", ["train"]))["train"].id == "job_1"
 
 

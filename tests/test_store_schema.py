@@ -81,7 +81,8 @@ def test_stream_reassembly_joins_tool_call_fragments_by_index() -> None:
 
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
-# What each migration added (tables, columns, unique constraints), so a test can make the file an older version wrote.
+# What each migration added (tables, columns, unique constraints, column indexes): a test makes the file an older
+# version wrote.
 ADDED_BY: dict[int, dict[str, Any]] = {
     2: {"tables": {"job_runs"}, "unique": {"uq_adapter_versions_alias_version"},
         "columns": {"adapter_versions": {"source", "previous_version", "decided_at", "reason", "gate"}}},
@@ -90,6 +91,7 @@ ADDED_BY: dict[int, dict[str, Any]] = {
                     "trajectories": {"parent_trajectory_id"}}},
     6: {"columns": {"turns": {"inclusion_logprob"}}},
     7: {"columns": {"turns": {"canary_pair"}}},
+    8: {"indexes": {("group_members", "trajectory_id")}},
 }
 
 
@@ -99,13 +101,15 @@ def older_store(path: Path, version: int, rows: dict[str, list[dict[str, Any]]])
     later = [added for v, added in ADDED_BY.items() if v > version]
     tables = set().union(*(added.get("tables", set()) for added in later))
     unique = set().union(*(added.get("unique", set()) for added in later))
+    indexes = set().union(*(added.get("indexes", set()) for added in later))
     columns = {name: set().union(*(added.get("columns", {}).get(name, set()) for added in later))
                for name in SQLModel.metadata.tables}
     old = MetaData()
     for table in SQLModel.metadata.sorted_tables:
         if table.name in tables:
             continue
-        kept = [Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable, index=c.index)
+        kept = [Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable,
+                       index=c.index and (table.name, c.name) not in indexes)
                 for c in table.columns if c.name not in columns[table.name]]
         constraints = [UniqueConstraint(*c.columns.keys(), name=c.name) for c in table.constraints
                        if isinstance(c, UniqueConstraint) and c.name not in unique]

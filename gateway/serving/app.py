@@ -96,7 +96,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
     router = ModelRouter(settings.routing, served, retire_after_s=retire_after_s(settings))
     state = GatewayState(settings=settings, engines=engines, router=router,
                          auth=Authenticator.from_config(settings.auth), store_link=store_link,
-                         store=StoreClient(store_link),
+                         store=StoreClient(store_link, keep_versions=not shared_store(settings.database)),
                          started_at=int(time.time()))
     await restore_serving(state)  # what the store says serves each alias (a restart never undoes a promotion)
     state.metrics.watch_capture(store_link.capture_counts)

@@ -6,6 +6,11 @@ the Protocol's return type. A method names itself by the Protocol's function (``
 its wire name and its types come from one place. Inside :func:`as_it_is` (the loop's scheduled runs, the
 status a screen polls) calls read the store as it is: they do not make the store process write its batch
 of turns early, which cut batches short several times a second.
+
+Where this gateway is the store's one writer (DuckDB), the answers about versions (``serving``, ``versions``,
+``training_head``: every loop tick and status poll asks) are kept here until this client sends a method that may
+change a version: every write of ``adapter_versions`` goes through it (the training child's and the workers'
+rounds come through the admin API), so a kept answer is never stale.
 """
 
 from __future__ import annotations
@@ -58,16 +63,42 @@ def _result(method: Callable[..., Any]) -> TypeAdapter[Any]:
     return TypeAdapter(get_type_hints(method)["return"])
 
 
-class StoreClient:
-    """:class:`StoreApi` in the store process, over ``link``."""
+VERSION_READS = frozenset({"serving", "versions", "training_head"})
+# Methods that never write adapter_versions; any other (a new one too) forgets the kept version reads.
+LEAVE_VERSIONS = VERSION_READS | {
+    "close_idle", "form_groups", "score", "pending", "record_runs", "last_runs", "training_batch", "rewards",
+    "canary_rewards", "reward_by_version", "heldout_contexts", "ui_trajectories", "ui_trajectory", "ui_groups",
+    "ui_group", "ui_traffic", "ui_failed_jobs"}
 
-    def __init__(self, link: StoreLink) -> None:
+
+class StoreClient:
+    """:class:`StoreApi` in the store process, over ``link``; ``keep_versions``: this gateway is the store's one
+    writer, so version reads are kept until it may change a version."""
+
+    def __init__(self, link: StoreLink, *, keep_versions: bool = False) -> None:
         self.link = link
+        self.keep_versions = keep_versions
+        self._kept: dict[tuple[str, str], Any] = {}  # (method, its arguments as JSON) -> the answer
+        self._generation = 0  # counts the calls that may have changed a version
 
     async def _call(self, method: Callable[..., Coroutine[Any, Any, T]], **arguments: Any) -> T:
-        answer = await self.link.call("POST", f"/internal/store/{method.__name__}",
-                                      json=to_jsonable_python(arguments), fresh=not _AS_IT_IS.get())
+        name = method.__name__
+        body = to_jsonable_python(arguments)
+        key = (name, repr(sorted(body.items())))
+        if name not in LEAVE_VERSIONS:
+            self._generation += 1
+            self._kept.clear()
+        elif self.keep_versions and name in VERSION_READS and key in self._kept:
+            kept: T = self._kept[key]
+            return kept
+        generation = self._generation
+        answer = await self.link.call("POST", f"/internal/store/{name}", json=body, fresh=not _AS_IT_IS.get())
         result: T = _result(method).validate_python(answer)
+        if name not in LEAVE_VERSIONS:
+            self._generation += 1  # and after: a read sent meanwhile may have seen the version before the write
+            self._kept.clear()
+        elif self.keep_versions and name in VERSION_READS and generation == self._generation:
+            self._kept[key] = result
         return result
 
     async def close_idle(self) -> int:
@@ -85,8 +116,8 @@ class StoreClient:
     async def recover(self, rounds: bool = True) -> Recovered:
         return await self._call(StoreApi.recover, rounds=rounds)
 
-    async def record_run(self, run: JobRunRecord) -> None:
-        await self._call(StoreApi.record_run, run=run)
+    async def record_runs(self, runs: list[JobRunRecord]) -> None:
+        await self._call(StoreApi.record_runs, runs=runs)
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
         return await self._call(StoreApi.last_runs, alias=alias, jobs=jobs)

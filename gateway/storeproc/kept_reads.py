@@ -4,9 +4,8 @@ The train, gate and A/B ticks, the status a screen polls and the versions page a
 questions every second (which version serves, what waits, the reward per version), and between two
 of the recorder's batches the answers do not change. Each answer is kept with the store's write stamp
 of the tables it read (``capture/write_stamps.py``) and given again while that stamp holds. A quiet
-job (group formation, scoring) that found nothing is not run again until a table it reads was
-written. Only where this process is the store's one writer (DuckDB): on a shared store every read
-runs.
+scoring run that found nothing is not run again until a group was written. Only where this process is the
+store's one writer (DuckDB): on a shared store every read runs.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ T = TypeVar("T")
 VERSION_TABLES = ("adapter_versions",)
 PENDING_TABLES = ("trajectories", "groups", "adapter_versions")
 REWARD_TABLES = ("turns", "trajectories", "feedback", "scores", "groups", "group_members")
-FORMATION_TABLES = ("turns", "trajectories", "groups", "group_members")
 SCORING_TABLES = ("groups",)
 RUN_TABLES = ("job_runs",)
 MAX_KEPT = 256  # answers; the oldest goes first (a canary's reads name its start, a monitor's its promotion)
@@ -57,15 +55,14 @@ class KeptReads:
         while len(self._answers) > MAX_KEPT:
             self._answers.pop(next(iter(self._answers)))
 
-    def read(self, key: Hashable, tables: tuple[str, ...], compute: Callable[[], T], *,
-             keep: Callable[[T], bool] = lambda answer: True) -> T:
-        """The kept answer for ``key``, or ``compute()``'s, kept when ``keep`` says so."""
+    def read(self, key: Hashable, tables: tuple[str, ...], compute: Callable[[], T]) -> T:
+        """The kept answer for ``key``, or ``compute()``'s, kept."""
         hit, answer = self.kept(key, tables)
         if hit:
             return answer
         stamp = self.stamp(tables)
         computed = compute()
-        self.keep(key, stamp if keep(computed) else None, computed)
+        self.keep(key, stamp, computed)
         return computed
 
 

@@ -39,7 +39,6 @@ from flywheel.gateway.core.store_api import (
 )
 from flywheel.gateway.storeproc import dashboard_ops, store_ops
 from flywheel.gateway.storeproc.kept_reads import (
-    FORMATION_TABLES,
     PENDING_TABLES,
     REWARD_TABLES,
     RUN_TABLES,
@@ -60,24 +59,20 @@ class LocalStore:
     async def _run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(function, self.store, self.settings, *args, **kwargs)
 
-    async def _kept(self, key: Hashable, tables: tuple[str, ...], function: Callable[..., T], *args: Any,
-                    keep: Callable[[T], bool] = lambda answer: True) -> T:
+    async def _kept(self, key: Hashable, tables: tuple[str, ...], function: Callable[..., T], *args: Any) -> T:
         """``function``'s answer, kept until one of ``tables`` is written (``kept_reads.py``); a kept one is given
         without a thread."""
         kept = kept_reads(self.store)
         hit, answer = kept.kept(key, tables)
         if hit:
             return answer
-        return await asyncio.to_thread(kept.read, key, tables, lambda: function(self.store, self.settings, *args),
-                                       keep=keep)
+        return await asyncio.to_thread(kept.read, key, tables, lambda: function(self.store, self.settings, *args))
 
     async def close_idle(self) -> int:
         return await self._run(store_ops.close_idle)
 
     async def form_groups(self) -> list[FormedGroup]:
-        # A run that formed nothing runs again only once a table it reads was written.
-        return await self._kept(("form_groups",), FORMATION_TABLES, store_ops.run_group_formation,
-                                keep=lambda formed: not formed)
+        return await self._run(store_ops.run_group_formation)
 
     async def score(self, alias: str | None = None) -> ScoreCounts:
         kept = kept_reads(self.store)
@@ -96,8 +91,8 @@ class LocalStore:
     async def recover(self, rounds: bool = True) -> Recovered:
         return await self._run(store_ops.recover, rounds)
 
-    async def record_run(self, run: JobRunRecord) -> None:
-        await self._run(store_ops.record_run, run)
+    async def record_runs(self, runs: list[JobRunRecord]) -> None:
+        await self._run(store_ops.record_runs, runs)
 
     async def last_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
         return await self._kept(("last_runs", alias, tuple(jobs)), RUN_TABLES, store_ops.last_runs, alias, jobs)

@@ -18,14 +18,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, insert, or_
+from sqlalchemy import ColumnElement, CompoundSelect, Connection, and_, func, insert, literal, or_, text, union_all
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
 from flywheel.capture.batches import TrainingGroup
-from flywheel.capture.groups import GroupingRules, form_groups, held_out
+from flywheel.capture.groups import Changed, GroupingRules, Waiting, form_groups, held_out
 from flywheel.capture.models import (
-    AdapterVersion,
     Feedback,
     Group,
     GroupMember,
@@ -36,6 +35,7 @@ from flywheel.capture.models import (
     utcnow,
 )
 from flywheel.capture.store import Store
+from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED, Followed
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import (
     QUIET_STATUSES,
@@ -129,9 +129,65 @@ class Watermark:
 FORMATION_MARKS: weakref.WeakKeyDictionary[Store, Watermark] = weakref.WeakKeyDictionary()
 
 
+@dataclass
+class Changes:
+    """What the store process's own writes changed since a job last looked (``capture/write_stamps.py``)."""
+
+    closed: Followed
+    forked: Followed
+
+    def take(self) -> Changed | None:
+        """The trajectories closed and completions forked since the last take; None: look at everything."""
+        closed, forked = self.closed.take(), self.forked.take()
+        if closed is None or forked is None:
+            return None
+        return Changed(frozenset(closed), frozenset(forked))
+
+    def give_back(self, changed: Changed | None) -> None:
+        """A run that failed: what it took is looked at by the next one."""
+        self.closed.give_back(None if changed is None else changed.closed)
+        self.forked.give_back(None if changed is None else changed.forked)
+
+
+@dataclass
+class Formation:
+    """Group formation where this process is the store's one writer: what its writes changed, and what waits."""
+
+    changes: Changes
+    waiting: Waiting = field(default_factory=Waiting)
+
+
+FORMATIONS: weakref.WeakKeyDictionary[Store, Formation] = weakref.WeakKeyDictionary()
+
+
 def run_group_formation(store: Store, settings: Settings) -> list[FormedGroup]:
-    """Form the groups the store allows now; the new groups as dicts. Incremental: only what changed since a
-    little before the last run (``Watermark``), and everything every ``FULL_PASS_S``."""
+    """Form the groups the store allows now; the new groups. Incremental: where this process is the store's one
+    writer, from the trajectories its own writes closed and the turns they forked since the last run, beside those
+    still waiting for their group (nothing to read when nothing changed); on a shared store, what changed since a
+    little before the last run (``Watermark``), and everything every ``FULL_PASS_S``. The first run looks at
+    everything."""
+    rules = grouping_rules(settings)
+    if store.shared or rules.cohorts:
+        return _formation_from_watermark(store, settings)
+    formation = FORMATIONS.get(store)
+    if formation is None:  # follow from now on, then look at everything once
+        formation = FORMATIONS[store] = Formation(Changes(store.stamps.follow(CLOSED), store.stamps.follow(FORKED)))
+        changed = None
+    else:
+        changed = formation.changes.take()
+        if changed is not None and not changed.closed and not changed.forked:
+            return []
+    try:
+        with Session(store.engine, expire_on_commit=False) as session:
+            groups = formation.waiting.form(session, rules, changed)
+            session.commit()
+    except BaseException:
+        formation.changes.give_back(None)  # what waits may be off by what this run took: the next run reads it all
+        raise
+    return [FormedGroup(id=g.id, source=g.source, key=g.key, alias=g.alias, size=g.size) for g in groups]
+
+
+def _formation_from_watermark(store: Store, settings: Settings) -> list[FormedGroup]:
     mark = FORMATION_MARKS.setdefault(store, Watermark())
     started, look = utcnow(), mark.look()
     with Session(store.engine, expire_on_commit=False) as session:
@@ -154,17 +210,23 @@ async def score(store: Store, settings: Settings, alias: str | None = None) -> S
     return ScoreCounts(**asdict(summary))
 
 
+# One statement (each costs more than the rows it reads): the last round (first: its column's type), open
+# trajectories, groups by status.
+_PENDING = text("""
+    SELECT '#trained', 0, max(created_at) FROM adapter_versions WHERE alias = :alias AND source = 'trained'
+    UNION ALL SELECT '#open', count(*), NULL FROM trajectories WHERE status = 'open' AND alias = :alias
+    UNION ALL SELECT status, count(*), NULL FROM groups WHERE alias = :alias GROUP BY status
+""")
+
+
 def pending(store: Store, settings: Settings, alias: str) -> Pending:
     """What waits for the loop: open trajectories, groups by status, and when the alias last trained."""
-    with store.session() as session:
-        open_count = session.exec(select(func.count()).select_from(Trajectory)
-                                  .where(Trajectory.alias == alias, Trajectory.status == "open")).one()
-        by_status = dict(session.exec(select(Group.status, func.count()).where(Group.alias == alias)
-                                      .group_by(Group.status)).all())
-        last = session.exec(select(func.max(AdapterVersion.created_at))
-                            .where(AdapterVersion.alias == alias, AdapterVersion.source == "trained")).one()
-    return Pending(open_trajectories=open_count, groups={str(k): int(v) for k, v in by_status.items()},
-                   scored_groups=int(by_status.get("scored", 0)), last_trained_at=last)
+    with store.engine.connect() as connection:
+        rows = connection.execute(_PENDING, {"alias": alias}).all()
+    by_status = {str(status): int(count) for status, count, _ in rows if not str(status).startswith("#")}
+    found = {status: (count, at) for status, count, at in rows if str(status).startswith("#")}
+    return Pending(open_trajectories=int(found["#open"][0]), groups=by_status,
+                   scored_groups=by_status.get("scored", 0), last_trained_at=found["#trained"][1])
 
 
 # -- training rounds ----------------------------------------------------------------------------------------
@@ -269,18 +331,27 @@ def recover(store: Store, settings: Settings, rounds: bool = True) -> Recovered:
 # -- job runs -----------------------------------------------------------------------------------------------
 
 
-def record_run(store: Store, settings: Settings, run: JobRunRecord) -> None:
-    """Record a finished run; a quiet one (``idle``, ``waiting``) replaces its job's previous quiet runs.
+def record_runs(store: Store, settings: Settings, runs: list[JobRunRecord]) -> None:
+    """Record finished runs, in order, in one transaction; a quiet one (``idle``, ``waiting``) replaces its job's
+    previous quiet runs.
 
-    One transaction, a delete and an insert: the table keeps every run that acted or failed and the latest
-    quiet one of each job. The loop writes a quiet run only when its job turns quiet (docs/loop.md)."""
-    with store.session() as session:
+    The table keeps every run that acted or failed and the latest quiet one of each job; the loop records a quiet
+    run only when its job turns quiet, and sends its runs every few seconds (docs/loop.md)."""
+    kept: list[JobRunRecord] = []
+    quieted: set[tuple[str, str | None]] = set()
+    for run in runs:
         if run.status in QUIET_STATUSES:
-            session.execute(delete(JobRun).where(col(JobRun.job) == run.job,
-                                                 col(JobRun.alias).is_not_distinct_from(run.alias),
+            quieted.add((run.job, run.alias))
+            kept = [k for k in kept if not (k.status in QUIET_STATUSES and (k.job, k.alias) == (run.job, run.alias))]
+        kept.append(run)
+    if not kept:
+        return
+    with store.session() as session:
+        for job, alias in sorted(quieted, key=str):
+            session.execute(delete(JobRun).where(col(JobRun.job) == job, col(JobRun.alias).is_not_distinct_from(alias),
                                                  col(JobRun.status).in_(QUIET_STATUSES))
                             .execution_options(synchronize_session=False))
-        session.execute(insert(JobRun).values(**run.model_dump()))
+        session.execute(insert(JobRun), [run.model_dump() for run in kept])
         session.commit()
 
 
@@ -300,8 +371,10 @@ def last_runs(store: Store, settings: Settings, alias: str, jobs: list[str]) -> 
 
 # -- rewards per version (the A/B test, the monitor, status) ------------------------------------------------
 
+Reader = Session | Connection  # a read needs no ORM session: a connection costs less per statement
 
-def trajectory_rewards(session: Session, alias: str, *, since: datetime | None = None,
+
+def trajectory_rewards(session: Reader, alias: str, *, since: datetime | None = None,
                        until: datetime | None = None, versions_in: list[int] | None = None,
                        judge_only: bool = False, ids: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Closed trajectories of ``alias`` with a reward, in the order they closed, and how many were mixed.
@@ -316,7 +389,7 @@ def trajectory_rewards(session: Session, alias: str, *, since: datetime | None =
     return out, len(mixed)
 
 
-def _rewarded(session: Session, alias: str, *, since: datetime | None = None, until: datetime | None = None,
+def _rewarded(session: Reader, alias: str, *, since: datetime | None = None, until: datetime | None = None,
               versions_in: list[int] | None = None, judge_only: bool = False,
               ids: list[str] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
     """``trajectory_rewards``, with the ids of the mixed trajectories rather than their count."""
@@ -352,7 +425,7 @@ RewardInputs = tuple[list[tuple[str, datetime | None, int, int]], list[tuple[str
                      list[tuple[str, float]]]
 
 
-def _reward_inputs(session: Session, alias: str, since: datetime | None, until: datetime | None,
+def _reward_inputs(session: Reader, alias: str, since: datetime | None, until: datetime | None,
                    judge_only: bool) -> RewardInputs:
     """Every closed trajectory of ``alias`` (created in ``[since, until)``): its versions (first and last turn's
     adapter version), feedback and final rewards, oldest first. One join per table, read as tuples."""
@@ -365,7 +438,7 @@ def _reward_inputs(session: Session, alias: str, since: datetime | None, until: 
     query = (select(Trajectory.id, Trajectory.closed_at, func.min(Turn.adapter_version), func.max(Turn.adapter_version))
              .join(Turn, and_(col(Turn.trajectory_id) == col(Trajectory.id)))
              .where(*chosen_ones, col(Turn.source) != "fork").group_by(col(Trajectory.id), col(Trajectory.closed_at)))
-    versions = [(i, closed_at, int(low), int(high)) for i, closed_at, low, high in session.exec(query).all()]
+    versions = [(i, closed_at, int(low), int(high)) for i, closed_at, low, high in session.execute(query).all()]
     told = [] if judge_only else [tuple(row) for row in session.execute(
         sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
         .join(Trajectory, col(Trajectory.id) == col(Feedback.trajectory_id)).where(*chosen_ones)
@@ -377,7 +450,7 @@ def _reward_inputs(session: Session, alias: str, since: datetime | None, until: 
     return versions, told, final
 
 
-def _reward_inputs_of(session: Session, alias: str, ids: list[str], judge_only: bool) -> RewardInputs:
+def _reward_inputs_of(session: Reader, alias: str, ids: list[str], judge_only: bool) -> RewardInputs:
     """``_reward_inputs`` of the trajectories ``ids``: each table read by its indexed trajectory id alone, every
     other condition checked here (with another predicate DuckDB scans the table instead of using the index)."""
     closed = {i: closed_at for i, closed_at, owner, status, reason in session.execute(
@@ -394,12 +467,18 @@ def _reward_inputs_of(session: Session, alias: str, ids: list[str], judge_only: 
             low, high = spans.get(trajectory_id, (version, version))
             spans[trajectory_id] = (min(low, version), max(high, version))
     versions = [(i, closed[i], low, high) for i, (low, high) in spans.items()]
-    told = [] if judge_only else [(i, reward, label) for i, reward, label in session.execute(
-        sa_select(col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label))
-        .where(col(Feedback.trajectory_id).in_(list(spans))).order_by(col(Feedback.created_at)))]
-    final = [(i, value) for i, value, source in session.execute(
-        sa_select(col(Score.trajectory_id), col(Score.value), col(Score.source))
-        .where(col(Score.trajectory_id).in_(list(spans))).order_by(col(Score.created_at))) if source == "reward"]
+    told: list[tuple[str, float | None, str | None]] = []
+    final: list[tuple[str, float]] = []
+    said: CompoundSelect[Any] = union_all(  # feedback and final rewards in one statement, oldest first
+        sa_select(literal("feedback"), col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label),
+                  col(Feedback.created_at)).where(col(Feedback.trajectory_id).in_(list(spans))),
+        sa_select(literal("score"), col(Score.trajectory_id), col(Score.value), col(Score.source),
+                  col(Score.created_at)).where(col(Score.trajectory_id).in_(list(spans))))
+    for kind, trajectory_id, value, label_or_source, _ in session.execute(said.order_by(said.selected_columns[4])):
+        if kind == "feedback" and not judge_only:
+            told.append((trajectory_id, value, label_or_source))
+        elif kind == "score" and label_or_source == "reward":
+            final.append((trajectory_id, value))
     return versions, told, final
 
 
@@ -489,7 +568,8 @@ def fork_units(session: Session, alias: str, since: datetime | None, versions_in
 class VersionRewards:
     """Per-version reward sums of one alias, kept up to date from what changed (docs/loop.md, "Incremental jobs")."""
 
-    mark: Watermark = field(default_factory=Watermark)
+    mark: Watermark = field(default_factory=Watermark)  # a shared store's
+    followed: tuple[Followed, Followed] | None = None  # the trajectories this process's writes closed, rewarded
     reward_of: dict[str, tuple[int, float]] = field(default_factory=dict)  # trajectory -> (version, reward)
     mixed: set[str] = field(default_factory=set)
     sums: dict[int, list[float]] = field(default_factory=dict)  # version -> [n, sum, sum of squares]
@@ -518,52 +598,76 @@ VERSION_REWARDS: weakref.WeakKeyDictionary[Store, dict[tuple[str, bool], Version
 
 
 def forget_rewards(store: Store) -> None:
-    """After a deletion: the next ``reward_by_version`` recomputes (a deleted trajectory leaves no watermark)."""
-    VERSION_REWARDS.pop(store, None)
+    """After a deletion: the next ``reward_by_version`` recomputes, and group formation looks at everything (a
+    deleted trajectory leaves no watermark, nor a change to follow)."""
+    for kept in VERSION_REWARDS.pop(store, {}).values():
+        for followed in kept.followed or ():
+            store.stamps.unfollow(followed)
+    store.stamps.forget()
 
 
-def changed_trajectories(session: Session, alias: str, since: datetime, judge_only: bool) -> list[str]:
+def changed_trajectories(session: Reader, alias: str, since: datetime, judge_only: bool) -> list[str]:
     """Trajectories of ``alias`` closed, given feedback or scored since ``since``: whose reward may have changed."""
-    ids = set(session.exec(select(Trajectory.id).where(Trajectory.alias == alias,
-                                                       col(Trajectory.closed_at) >= since)).all())
+    ids = set(session.execute(select(Trajectory.id).where(Trajectory.alias == alias,
+                                                          col(Trajectory.closed_at) >= since)).scalars())
     if not judge_only:
-        ids.update(session.exec(select(Feedback.trajectory_id).where(col(Feedback.created_at) >= since)).all())
-    ids.update(session.exec(select(Score.trajectory_id).where(Score.source == "reward",
-                                                              col(Score.created_at) >= since)).all())
+        ids.update(session.execute(select(Feedback.trajectory_id).where(col(Feedback.created_at) >= since)).scalars())
+    ids.update(session.execute(select(Score.trajectory_id).where(Score.source == "reward",
+                                                                 col(Score.created_at) >= since)).scalars())
     return sorted(ids)
 
 
 def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByVersion:
     """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory.
 
-    Incremental: sums per version kept in the store process, updated from the trajectories whose reward
-    may have changed since a little before the last call; everything again every ``FULL_PASS_S``."""
+    Incremental: sums per version kept in the store process, updated from the trajectories whose reward may have
+    changed: where this process is the store's one writer, those its own writes closed or rewarded (nothing to
+    read when none); on a shared store, those changed since a little before the last call, and everything every
+    ``FULL_PASS_S``. The first call reads everything."""
     judge_only = settings.rewards.policy == "judge_only"
     kept = VERSION_REWARDS.setdefault(store, {}).setdefault((alias, judge_only), VersionRewards())
-    started, look = utcnow(), kept.mark.look()
-    since = look.since
-    with store.session() as session:
-        if since is None:
-            rows, mixed = _rewarded(session, alias, judge_only=judge_only)
-            kept.reward_of.clear()
-            kept.sums.clear()
-            kept.mixed = mixed
+    if store.shared:
+        started, look = utcnow(), kept.mark.look()
+        with store.engine.connect() as session:
+            changed = None if look.since is None else changed_trajectories(session, alias, look.since, judge_only)
+            _update_rewards(kept, session, alias, judge_only, changed)
+        kept.mark.ran(started, look)
+    else:
+        if kept.followed is None:  # follow from now on, then read everything once
+            kept.followed, taken = (store.stamps.follow(CLOSED), store.stamps.follow(REWARDED)), None
         else:
-            changed = changed_trajectories(session, alias, since, judge_only)
-            rows, mixed = [], set()
-            for start in range(0, len(changed), 500):
-                chunk_rows, chunk_mixed = _rewarded(session, alias, judge_only=judge_only,
-                                                    ids=changed[start:start + 500])
-                rows += chunk_rows
-                mixed |= chunk_mixed
-            for trajectory_id in changed:
-                kept.drop(trajectory_id)
-            kept.mixed |= mixed
-    for row in rows:
-        kept.add(row["trajectory_id"], row["version"], row["reward"])
-    kept.mark.ran(started, look)
+            closed, rewarded = (followed.take() for followed in kept.followed)
+            taken = None if closed is None or rewarded is None else closed | rewarded
+        if taken is None or taken:
+            try:
+                with store.engine.connect() as session:
+                    _update_rewards(kept, session, alias, judge_only, None if taken is None else sorted(taken))
+            except BaseException:
+                kept.followed[0].give_back(taken)
+                raise
     return RewardByVersion(versions={str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)},
                            mixed=len(kept.mixed))
+
+
+def _update_rewards(kept: VersionRewards, session: Reader, alias: str, judge_only: bool,
+                    changed: list[str] | None) -> None:
+    """Recompute the rewards of the ``changed`` trajectories in ``kept`` (None: of every trajectory)."""
+    if changed is None:
+        rows, mixed = _rewarded(session, alias, judge_only=judge_only)
+        kept.reward_of.clear()
+        kept.sums.clear()
+        kept.mixed = mixed
+    else:
+        rows, mixed = [], set()
+        for start in range(0, len(changed), 500):
+            chunk_rows, chunk_mixed = _rewarded(session, alias, judge_only=judge_only, ids=changed[start:start + 500])
+            rows += chunk_rows
+            mixed |= chunk_mixed
+        for trajectory_id in changed:
+            kept.drop(trajectory_id)
+        kept.mixed |= mixed
+    for row in rows:
+        kept.add(row["trajectory_id"], row["version"], row["reward"])
 
 
 def summarize_sums(n: float, total: float, squares: float) -> VersionSummary:

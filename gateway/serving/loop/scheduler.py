@@ -60,6 +60,8 @@ logging.getLogger("apscheduler.scheduler").addFilter(_not_a_skipped_tick)
 ALIAS_JOBS = ("score", "train", "gate", "ab")
 GLOBAL_JOBS = ("close_idle", "form_groups")
 SETTLE_S = 2.0  # the canary pairs rewards this old and older: the store's writes have landed by then
+RUNS_SEND_S = 5.0  # scheduled runs are sent to the store together, at most this long after they end
+MAX_UNSENT = 1000  # runs kept while the store process cannot take them; beyond, the oldest are let go
 
 
 @dataclass
@@ -119,6 +121,8 @@ class Loop:
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self.latest: dict[tuple[str, str | None], JobRunRecord] = {}  # each job's latest run here, per alias
         self._written: dict[tuple[str, str | None], str] = {}  # the status of each job's last run written
+        self._unsent: list[JobRunRecord] = []  # runs for job_runs, sent every RUNS_SEND_S
+        self._sent_at = time.monotonic()
         self._head_seen: dict[str, tuple[Any, ...]] = {}  # per alias, the versions the forks' head was chosen at
         self.jobs: dict[str, Callable[[str | None], Awaitable[Outcome]]] = {
             "close_idle": self.close_idle, "form_groups": self.form_groups, "score": self.score,
@@ -143,6 +147,7 @@ class Loop:
                 if job.id != "follow":
                     job.remove()
             await self.child.stop_all()  # the new leader records them failed
+            await self.send_runs()
             self._head_seen.clear()  # as every follower, forks answer from the serving version until it leads again
             for alias in list(self.state.router.explorers):
                 await self.state.router.explore(alias, 0, None)
@@ -187,6 +192,7 @@ class Loop:
     async def stop(self) -> None:
         self.stopping = True
         await self.leadership.stop()  # removes the jobs, stops the rounds: they are recorded failed at the next start
+        await self.send_runs()
         self.scheduler.shutdown(wait=False)
 
     async def follow(self) -> None:
@@ -233,9 +239,9 @@ class Loop:
         """A scheduled run: it reads the store as it is; turns still in the store process's batch, the next
         tick reads (a run a person starts, :meth:`run`, sees every turn answered before it)."""
         with as_it_is():
-            await self.run(job, alias)
+            await self.run(job, alias, scheduled=True)
 
-    async def run(self, job: str, alias: str | None) -> dict[str, Any]:
+    async def run(self, job: str, alias: str | None, *, scheduled: bool = False) -> dict[str, Any]:
         """Run ``job`` now (for ``alias``), recorded in ``job_runs`` (traced, tracked); never raises.
 
         Only the leader runs jobs: on a follower this answers ``follower`` and does nothing."""
@@ -243,14 +249,14 @@ class Loop:
             return {"job": job, "alias": alias, "status": "follower",
                     "detail": "another replica runs the loop's jobs (the leader); this one follows the store"}
         try:
-            return await self.observability.run_job(job, alias, lambda: self._run(job, alias))
+            return await self.observability.run_job(job, alias, lambda: self._run(job, alias, scheduled))
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
             # The scheduler's shutdown cancels a run in flight: the gateway is stopping, not the job failing.
             return {"job": job, "alias": alias, "status": "stopped", "detail": "the gateway stopped during the run"}
 
-    async def _run(self, job: str, alias: str | None) -> dict[str, Any]:
+    async def _run(self, job: str, alias: str | None, scheduled: bool) -> dict[str, Any]:
         lock = self.lock(job, alias)
         if lock.locked():
             return {"job": job, "alias": alias, "status": "busy", "detail": "a run of this job is in progress"}
@@ -268,25 +274,34 @@ class Loop:
                 "status": outcome.status, "finished_at": datetime.now(UTC), "counts": outcome.counts,
                 "detail": outcome.detail, "error": error})
             self.latest[(job, alias)] = run
-            await self._record(run)
+            self._record(run)
+            if not scheduled or time.monotonic() - self._sent_at >= RUNS_SEND_S:  # a person's run shows at once
+                await self.send_runs()
             if outcome.status not in QUIET_STATUSES:
                 log.info("loop: %s %s: %s %s (%.1f s)", job, alias or "*", outcome.status, outcome.detail,
                          time.monotonic() - started)
             return {"job": job, "alias": alias, "status": outcome.status, "detail": outcome.detail,
                     "counts": outcome.counts, "error": error}
 
-    async def _record(self, run: JobRunRecord) -> None:
-        """Write ``run`` to ``job_runs`` unless it is quiet and so was the last run written of its job: a quiet
-        tick (several a second) is seen in :meth:`latest_runs`, and the store keeps the runs that acted."""
+    def _record(self, run: JobRunRecord) -> None:
+        """Keep ``run`` for ``job_runs`` unless it is quiet and so was the last run kept of its job: a quiet tick
+        (several a second) is seen in :meth:`latest_runs`, and the store keeps the runs that acted."""
         key = (run.job, run.alias)
         if run.status in QUIET_STATUSES and self._written.get(key) == run.status:
             return
+        self._written[key] = run.status
+        self._unsent.append(run)
+
+    async def send_runs(self) -> None:
+        """Send the runs kept since the last send to the store, in one call; kept for the next send if it fails."""
+        runs, self._unsent, self._sent_at = self._unsent, [], time.monotonic()
+        if not runs:
+            return
         try:
-            await self.state.store.record_run(run)
-            self._written[key] = run.status
-        except Exception as exc:  # the store process is restarting: the next run is written
-            self._written.pop(key, None)
-            log.warning("loop: could not record the end of %s (%s)", run.job, exc)
+            await self.state.store.record_runs(runs)
+        except Exception as exc:  # the store process is restarting: the next send takes them
+            self._unsent = (runs + self._unsent)[-MAX_UNSENT:]
+            log.warning("loop: could not record %d job runs (%s)", len(runs), exc)
 
     def latest_runs(self, alias: str, jobs: list[str]) -> dict[str, JobRunRecord]:
         """This process's latest run of each of ``jobs`` for ``alias`` (or alias-wide), running ones included:
