@@ -8,6 +8,8 @@ from flywheel.gateway.core.config import Settings
 
 INGEST_SEQ_HEADER = "x-flywheel-ingest-seq"  # exchanges the gateway had streamed when it forwarded a request
 CLIENT_HOST_HEADER = "x-flywheel-client-host"  # the forwarded request's client address
+# On every answer of the store process: its count of committed writes of adapter_versions ("": one is committing)
+VERSIONS_STAMP_HEADER = "x-flywheel-versions-stamp"
 STORE_KEEPALIVE_S = 15.0  # how long the gateway keeps an idle connection to the store process (its server: 4x)
 
 

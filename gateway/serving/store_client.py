@@ -8,9 +8,10 @@ status a screen polls) calls read the store as it is: they do not make the store
 of turns early, which cut batches short several times a second.
 
 Where this gateway is the store's one writer (DuckDB), the answers about versions (``serving``, ``versions``,
-``training_head``: every loop tick and status poll asks) are kept here until this client sends a method that may
-change a version: every write of ``adapter_versions`` goes through it (the training child's and the workers'
-rounds come through the admin API), so a kept answer is never stale.
+``training_head``: every loop tick and status poll asks) are kept here while the store process's answers show
+no write of ``adapter_versions`` since: each answer carries its count of them, and every such write is made
+in answer to a call from this process (the interface's methods, the forwarded routes), so the change is seen
+before the caller that made it hears back.
 """
 
 from __future__ import annotations
@@ -64,41 +65,30 @@ def _result(method: Callable[..., Any]) -> TypeAdapter[Any]:
 
 
 VERSION_READS = frozenset({"serving", "versions", "training_head"})
-# Methods that never write adapter_versions; any other (a new one too) forgets the kept version reads.
-LEAVE_VERSIONS = VERSION_READS | {
-    "close_idle", "form_groups", "score", "pending", "record_runs", "last_runs", "training_batch", "rewards",
-    "canary_rewards", "reward_by_version", "heldout_contexts", "ui_trajectories", "ui_trajectory", "ui_groups",
-    "ui_group", "ui_traffic", "ui_failed_jobs"}
 
 
 class StoreClient:
     """:class:`StoreApi` in the store process, over ``link``; ``keep_versions``: this gateway is the store's one
-    writer, so version reads are kept until it may change a version."""
+    writer, so its version reads are kept while no answer shows a write of versions."""
 
     def __init__(self, link: StoreLink, *, keep_versions: bool = False) -> None:
         self.link = link
         self.keep_versions = keep_versions
-        self._kept: dict[tuple[str, str], Any] = {}  # (method, its arguments as JSON) -> the answer
-        self._generation = 0  # counts the calls that may have changed a version
+        self._kept: dict[tuple[str, str], tuple[int, Any]] = {}  # (method, arguments) -> (changes seen, answer)
 
     async def _call(self, method: Callable[..., Coroutine[Any, Any, T]], **arguments: Any) -> T:
         name = method.__name__
         body = to_jsonable_python(arguments)
+        keep = self.keep_versions and name in VERSION_READS
         key = (name, repr(sorted(body.items())))
-        if name not in LEAVE_VERSIONS:
-            self._generation += 1
-            self._kept.clear()
-        elif self.keep_versions and name in VERSION_READS and key in self._kept:
-            kept: T = self._kept[key]
-            return kept
-        generation = self._generation
-        answer = await self.link.call("POST", f"/internal/store/{name}", json=body, fresh=not _AS_IT_IS.get())
-        result: T = _result(method).validate_python(answer)
-        if name not in LEAVE_VERSIONS:
-            self._generation += 1  # and after: a read sent meanwhile may have seen the version before the write
-            self._kept.clear()
-        elif self.keep_versions and name in VERSION_READS and generation == self._generation:
-            self._kept[key] = result
+        if keep and (kept := self._kept.get(key)) is not None and kept[0] == self.link.versions_changes:
+            answer: T = kept[1]
+            return answer
+        raw, seen = await self.link.call_seen("POST", f"/internal/store/{name}", json=body,
+                                              fresh=not _AS_IT_IS.get())
+        result: T = _result(method).validate_python(raw)
+        if keep and seen is not None:
+            self._kept[key] = (seen, result)
         return result
 
     async def close_idle(self) -> int:

@@ -44,7 +44,12 @@ from flywheel.capture.redaction import Redactor
 from flywheel.capture.turns import CapturedExchange, prepare_lines
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.errors import OpenAIError, UpstreamError
-from flywheel.gateway.core.store_wire import CLIENT_HOST_HEADER, INGEST_SEQ_HEADER, STORE_KEEPALIVE_S
+from flywheel.gateway.core.store_wire import (
+    CLIENT_HOST_HEADER,
+    INGEST_SEQ_HEADER,
+    STORE_KEEPALIVE_S,
+    VERSIONS_STAMP_HEADER,
+)
 from flywheel.gateway.serving.exchange_lines import OFF_LOOP_LINE_BYTES, estimated_bytes, line_in_pieces
 
 log = logging.getLogger("flywheel.store_link")
@@ -52,7 +57,7 @@ log = logging.getLogger("flywheel.store_link")
 # Headers that describe one hop of a connection, not the request: never forwarded.
 _HOP_BY_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "content-length"})
-_NOT_RETURNED = _HOP_BY_HOP | {"date", "server"}  # the gateway's own server sets these
+_NOT_RETURNED = _HOP_BY_HOP | {"date", "server", VERSIONS_STAMP_HEADER}  # the gateway's own server sets these
 
 
 class StoreProcessError(RuntimeError):
@@ -73,6 +78,8 @@ class StoreLink:
         self.capture_counts: Counter[str] = Counter()  # for /metrics: the store process's counters plus ours
         self.sent = 0  # exchanges written to the current ingest connection
         self.acked = 0  # of those, the ones the store process has written or spooled
+        self.versions_changes = 0  # how often the store process's answers showed its versions stamp change
+        self._versions_stamp: str | None = None
         self._unacked: deque[bytes] = deque()  # the lines sent after the first ``acked``, in order
         self._unacked_bytes = 0
         self._acks: asyncio.Task[None] | None = None  # reads the acknowledgements until the connection ends
@@ -307,6 +314,11 @@ class StoreLink:
                    json: Any = None, fresh: bool = True) -> Any:
         """An internal JSON call; the store process's error comes back as the same OpenAIError. ``fresh``: its
         answer sees every turn answered before it (the store process writes them first); else the store as it is."""
+        return (await self.call_seen(method, path, params=params, json=json, fresh=fresh))[0]
+
+    async def call_seen(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                        json: Any = None, fresh: bool = True) -> tuple[Any, int | None]:
+        """``call``, and ``versions_changes`` as its answer left it (None: a write of versions was committing)."""
         headers = {}
         if fresh:
             await self._caught_up()
@@ -316,12 +328,21 @@ class StoreLink:
             assert self._http is not None
             async with self._http.request(method, f"http://store{path}", params=params, json=json,
                                           headers=headers) as response:
+                seen = self._saw(response)
                 body = await response.read()
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"The store process is not reachable ({type(exc).__name__}); try again.") from None
         if response.status >= 400:
             raise _error_from(response.status, body)
-        return orjson.loads(body)
+        return orjson.loads(body), seen
+
+    def _saw(self, response: aiohttp.ClientResponse) -> int | None:
+        """Count a change of the store process's versions stamp (an answer without one counts as a change)."""
+        stamp = response.headers.get(VERSIONS_STAMP_HEADER) or None
+        if stamp is None or stamp != self._versions_stamp:
+            self.versions_changes += 1
+        self._versions_stamp = stamp
+        return self.versions_changes if stamp is not None else None
 
     async def forward(self, request: Request, body: bytes) -> Response:
         """Send a client's request (its ``body`` already read) to the store process as it came; stream the
@@ -339,6 +360,7 @@ class StoreLink:
         try:
             assert self._http is not None
             response = await self._http.request(request.method, url, headers=headers, data=body)
+            self._saw(response)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"The store process is not reachable ({type(exc).__name__}); try again.") from None
         if response.status >= 400:  # raised here, so the gateway's handler answers it and counts it in /metrics

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flywheel.capture.recorder import Recorder, Spool
 from flywheel.capture.store import Store, printable_url
@@ -46,7 +46,12 @@ from flywheel.gateway.core.http import json_response
 from flywheel.gateway.core.log_setup import configure_logging
 from flywheel.gateway.core.processes import tune_gc
 from flywheel.gateway.core.protocol import parse_json_object
-from flywheel.gateway.core.store_wire import CLIENT_HOST_HEADER, STORE_KEEPALIVE_S, redactor_for
+from flywheel.gateway.core.store_wire import (
+    CLIENT_HOST_HEADER,
+    STORE_KEEPALIVE_S,
+    VERSIONS_STAMP_HEADER,
+    redactor_for,
+)
 from flywheel.gateway.core.tracing import Tracing
 from flywheel.gateway.storeproc.memory import limit_memory, memory_report
 from flywheel.gateway.storeproc.redacted_bodies import RedactedBodies
@@ -229,6 +234,32 @@ class ForwardedClient:
 CLIENT_HOST_HEADER_BYTES = CLIENT_HOST_HEADER.encode()
 
 
+class VersionsStamp:
+    """ASGI middleware: every answer says how many writes of ``adapter_versions`` this process has committed, so the
+    gateway keeps its version reads exactly as long as no answer shows a change (``serving/store_client.py``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state: StoreState | None = getattr(scope["app"].state, "store_state", None)
+                stamp = state.store.stamps.stamp(("adapter_versions",)) if state is not None else None
+                value = b"" if stamp is None else str(stamp[0]).encode()
+                message = {**message, "headers": [*message.get("headers", []), (VERSIONS_STAMP_BYTES, value)]}
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
+VERSIONS_STAMP_BYTES = VERSIONS_STAMP_HEADER.encode()
+
+
 def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -257,6 +288,7 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RedactedBodies, redactor=redactor_for(settings))  # what the routes write is redacted
     app.add_middleware(ForwardedClient)
+    app.add_middleware(VersionsStamp)
     return app
 
 
