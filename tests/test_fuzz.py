@@ -128,7 +128,8 @@ def test_the_document_describes_every_body_and_query(gateway: GatewayProcess) ->
         "POST /v1/chat/completions", "POST /v1/completions", "PUT /flywheel/v1/aliases/{alias}/adapter",
         "POST /flywheel/v1/aliases/{alias}/promote", "POST /flywheel/v1/aliases/{alias}/rollback",
         "POST /flywheel/v1/aliases/{alias}/candidates", "POST /flywheel/v1/aliases/{alias}/train",
-        "POST /flywheel/v1/loop/run", "POST /flywheel/v1/training/versions", "POST /flywheel/v1/training/rounds",
+        "POST /flywheel/v1/loop/run", "POST /flywheel/v1/training/batch", "POST /flywheel/v1/training/versions",
+        "POST /flywheel/v1/training/rounds",
         "POST /flywheel/v1/training/failures", "POST /flywheel/v1/feedback",
         "POST /v1/chat/completions/{completion_id}", "POST /flywheel/v1/trajectories/{trajectory_id}/close"}
     queries = {name: sorted(p["name"] for p in op.get("parameters", ()) if p["in"] == "query")

@@ -1,11 +1,12 @@
 """The loop's warm training child (serving/loop/training_child.py): one process per alias takes round after round,
-keeping the base model loaded; one that dies mid-round is recorded failed and the next round starts a fresh one.
-Real gateways on the tiny model, real GRPO rounds in the real child."""
+keeping the base model loaded; a round asked while one runs is refused at once; one that dies mid-round is recorded
+failed and the next round starts a fresh one. Real gateways on the tiny model, real GRPO rounds in the real child."""
 
 from __future__ import annotations
 
 import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,21 @@ def test_two_rounds_run_in_one_child_and_the_second_keeps_the_base_model(tmp_pat
         gateway.stop()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in pids[0])  # stopped with the gateway
+
+
+def test_a_round_asked_while_one_runs_is_refused_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, "[judge]\nenabled = false\n")).start()
+    try:
+        capture_group(gateway, "g0")
+        score(gateway)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(train, gateway)
+            wait_for(lambda: training_children(gateway), what="the first round's child")  # started inside its round
+            second = httpx.post(f"{gateway.url}/flywheel/v1/aliases/agent/train", timeout=60, json={})
+            assert second.status_code == 409 and "one round at a time" in second.text, second.text
+            assert first.result()["status"] == "finished"
+    finally:
+        gateway.stop()
 
 
 def test_a_child_killed_mid_round_is_recorded_failed_and_the_next_round_starts_a_fresh_one(

@@ -1,7 +1,8 @@
 """What a training round reads (training_records.training_batch): every scored group of the alias, each member
 one branch with its latest reward, read for all groups at once and equal to reading each group by itself
-(capture.groups.training_group); and how recording the round settles them. On both backends: a real DuckDB file
-and a real PostgreSQL database."""
+(capture.groups.training_group); how recording the round settles them; and its version: refused while another
+round trains, a candidate that supersedes older ones once recorded. On both backends: a real DuckDB file and a
+real PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlmodel import select
 
 from flywheel.capture.batches import TrainingGroup
@@ -19,6 +21,8 @@ from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.storeproc import store_ops
 from flywheel.gateway.storeproc.training_records import record_training, training_batch
+from flywheel.gateway.storeproc.versions import VersionError
+from flywheel.trainer.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from flywheel.trainer.grpo_args import RoundResult
 
 START = utcnow() - timedelta(hours=1)
@@ -124,3 +128,34 @@ def test_recording_a_round_settles_every_scored_group_it_was_given(store: Store,
     assert statuses == {"g_conv": "trained", "g_one": "untrainable", "g_fork": "untrainable",
                         "g_done": "trained", "g_other": "scored"}  # no group trained twice, none fetched forever
     assert training_batch(store, "agent", max_groups=10) == []
+
+
+def test_a_round_s_version_is_refused_while_another_trains_and_its_record_supersedes_older_candidates(
+        store: Store, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+
+    def reserve(**checks: bool) -> int:
+        return store_ops.reserve_version(store, settings, "agent", base_model="m", **checks).version
+
+    def finish(version: int) -> None:
+        """The round of ``version`` wrote its adapter and is recorded: a candidate."""
+        path = store_ops.adapter_dir(settings, "agent", version)
+        path.mkdir(parents=True)
+        (path / ADAPTER_CONFIG).write_text('{"peft_type": "LORA"}')
+        (path / ADAPTER_WEIGHTS).write_bytes(b"")
+        now = utcnow()
+        result = RoundResult("finished", path, None, {}, [], {}, [], {}, "m", None, now, now)
+        assert record_training(store, "agent", result, version=version, parent_version=None, promote=False,
+                               batch_group_ids=[]) is not None
+
+    first = reserve(one_round=True)
+    with pytest.raises(VersionError, match=f"version {first} in flight: one round at a time"):
+        reserve(one_round=True)  # one round at a time, whichever process asks
+    finish(first)
+    second = reserve(one_round=True)  # a candidate waits for its gate: the next round trains meanwhile
+    with pytest.raises(VersionError, match=f"version {first} in flight"):
+        reserve(alone=True)  # trainer workers: nothing in flight
+    finish(second)
+    rows = {row.version: row for row in store_ops.list_versions(store, settings, "agent")}
+    assert (rows[first].status, rows[first].reason) == ("rejected", f"superseded by version {second} before its gate")
+    assert rows[second].status == "candidate"

@@ -233,6 +233,17 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
     from flywheel.capture.models import AdapterVersion, TrainingRun
     from flywheel.capture.turns import new_id
 
+    adapter = None
+    if result.adapter_dir is not None:
+        if version is None:
+            version = int(Path(result.adapter_dir).name)
+        # The number was reserved before the round (the store hands out versions); fill that row in. Read before
+        # the run row is added, which is then written once, whole (a read flushes what the session holds).
+        adapter = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                            AdapterVersion.version == version)).first()
+        if adapter is None:
+            adapter = AdapterVersion(id=new_id("adv"), alias=alias, version=version, path=str(result.adapter_dir),
+                                     base_model=base_model)
     run = session.get(TrainingRun, run_id) if run_id else None
     if run is None:
         run = TrainingRun(id=run_id or new_id("run"), alias=alias, started_at=result.started_at)
@@ -243,16 +254,7 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
     run.group_ids = result.group_ids
     run.metrics = result.metrics
     run.error = None
-    adapter = None
-    if result.adapter_dir is not None:
-        if version is None:
-            version = int(Path(result.adapter_dir).name)
-        # The number was reserved before the round (the store hands out versions); fill that row in.
-        adapter = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                            AdapterVersion.version == version)).first()
-        if adapter is None:
-            adapter = AdapterVersion(id=new_id("adv"), alias=alias, version=version, path=str(result.adapter_dir),
-                                     base_model=base_model)
+    if adapter is not None:
         adapter.path, adapter.base_model, adapter.parent_version = str(result.adapter_dir), base_model, parent_version
         adapter.training_run_id, adapter.status, adapter.metrics = run.id, "candidate", result.metrics
         session.add(adapter)

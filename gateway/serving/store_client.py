@@ -119,10 +119,10 @@ class StoreClient:
 
     async def reserve_version(self, alias: str, base_model: str, source: str = "trained", status: str = "training",
                               path: str | None = None, parent_version: int | None = None,
-                              alone: bool = False) -> Version:
+                              alone: bool = False, one_round: bool = False) -> Version:
         return await self._call(StoreApi.reserve_version, alias=alias,
                                 base_model=base_model, source=source, status=status, path=path,
-                                parent_version=parent_version, alone=alone)
+                                parent_version=parent_version, alone=alone, one_round=one_round)
 
     async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
                            result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:

@@ -103,9 +103,9 @@ class LocalStore:
 
     async def reserve_version(self, alias: str, base_model: str, source: str = "trained", status: str = "training",
                               path: str | None = None, parent_version: int | None = None,
-                              alone: bool = False) -> Version:
+                              alone: bool = False, one_round: bool = False) -> Version:
         return await self._run(store_ops.reserve_version, alias, base_model, source, status, path, parent_version,
-                               alone)
+                               alone, one_round)
 
     async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
                            result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:

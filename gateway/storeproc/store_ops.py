@@ -239,17 +239,16 @@ def batch(store: Store, settings: Settings, alias: str, max_groups: int,
 
 def reserve_version(store: Store, settings: Settings, alias: str, base_model: str, source: str = "trained",
                     status: str = "training", path: str | None = None,
-                    parent_version: int | None = None, alone: bool = False) -> Version:
-    """The next version number, reserved. ``alone``: only while no other version of the alias is in flight,
-    checked and reserved as one step across every replica (trainer workers: one round at a time)."""
+                    parent_version: int | None = None, alone: bool = False, one_round: bool = False) -> Version:
+    """The next version number, reserved. ``one_round``: only while no other round of the alias trains (no
+    version ``training``); ``alone``: only while no other version of it is in flight (trainer workers). Either
+    is checked and reserved as one step across every replica."""
+    refuse = versions.IN_FLIGHT if alone else ("training",) if one_round else ()
     with store.session() as session, \
-            store.exclusive(session, f"reserve:{alias}") if alone else contextlib.nullcontext():
-        if alone and (flight := versions.in_flight(session, alias)) is not None:
-            raise versions.VersionError(f"{alias} already has version {flight.version} in flight ({flight.status}):"
-                                        " one round at a time")
+            store.exclusive(session, f"reserve:{alias}") if refuse else contextlib.nullcontext():
         row = versions.reserve(session, alias, path_of=lambda n: adapter_dir(settings, alias, n),
                                base_model=base_model, source=source, status=status, path=path,
-                               parent_version=parent_version)
+                               parent_version=parent_version, refuse=refuse)
         return Version.model_validate(row)
 
 
@@ -259,9 +258,6 @@ def record_round(store: Store, settings: Settings, alias: str, version: int, par
 
     adapter = record_training(store, alias, RoundResult.from_json(result), version=version,
                               parent_version=parent_version, promote=promote, batch_group_ids=batch_group_ids or [])
-    if adapter is not None and adapter.status == "candidate":
-        with store.session() as session:
-            versions.supersede(session, alias, version)  # the gate takes the newest candidate of the line
     return Version.model_validate(adapter) if adapter is not None else None
 
 

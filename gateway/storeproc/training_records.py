@@ -50,7 +50,9 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
 
     Every group of the batch is settled: ``trained`` when the round used it, ``untrainable`` when the
     trainer skipped it (equal rewards, wrong size, too long) — so no group is trained twice and none
-    is fetched again forever. A skipped round (nothing trainable) fails its reserved version.
+    is fetched again forever. A skipped round (nothing trainable) fails its reserved version. A new
+    candidate supersedes the older ones still waiting for their gate (the gate takes the newest of the
+    line), in the same transaction.
     """
     from flywheel.trainer.adapters import OPTIMIZER_FILE, is_complete, record_round
 
@@ -65,14 +67,16 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
                                   parent_version=parent_version, commit=False)
         trained = set(result.group_ids)
         for status, settled in (("trained", trained), ("untrainable", set(batch_group_ids) - trained)):
-            if settled:  # one statement for the batch, not a read and a write per group
+            if settled:  # one statement for the batch, not a read and a write per group; no Group is loaded here
                 session.execute(update(Group).where(col(Group.id).in_(settled), col(Group.status) == "scored")
-                                .values(status=status))
+                                .values(status=status).execution_options(synchronize_session=False))
         if adapter is None:  # skipped: the number stays used, never reassigned
             reserved = versions.get(session, alias, version)
             reserved.status, reserved.decided_at = "failed", utcnow()
             reserved.reason = f"nothing trainable: {result.skipped}"
             session.add(reserved)
+        elif not promote:
+            versions.supersede(session, alias, version)
         session.commit()
         if promote and adapter is not None:
             versions.promote(session, alias, version, reason="promoted by hand (--promote)")

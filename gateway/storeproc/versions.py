@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, func, select
 
@@ -32,15 +33,20 @@ class VersionError(ValueError):
 
 def reserve(session: Session, alias: str, *, path_of: Any, base_model: str, source: str = "trained",
             status: str = "training", parent_version: int | None = None, path: str | None = None,
-            attempts: int = 5) -> AdapterVersion:
+            refuse: tuple[str, ...] = (), attempts: int = 5) -> AdapterVersion:
     """A new row with the next number (max + 1, also above any directory already on disk), committed.
 
     ``path_of(N)`` gives the directory version N will live in (unless ``path`` is given: a manual
     adapter registered where it is). The (alias, version) unique constraint makes two concurrent
     reservations (two threads, or two gateway replicas on PostgreSQL) retry rather than share N.
+    Refused (``VersionError``) while a version of the alias has a status in ``refuse``.
     """
     for _ in range(attempts):
-        highest = session.exec(select(func.max(AdapterVersion.version)).where(AdapterVersion.alias == alias)).one()
+        busy = func.min(AdapterVersion.version).filter(col(AdapterVersion.status).in_(refuse))
+        highest, held = session.exec(select(func.max(AdapterVersion.version), busy)  # the check in the same read
+                                     .where(AdapterVersion.alias == alias)).one()
+        if held is not None:
+            raise VersionError(f"{alias} already has version {held} in flight: one round at a time")
         number = max(highest or 0, _highest_on_disk(path_of(1))) + 1
         row = AdapterVersion(id=new_id("adv"), alias=alias, version=number, path=path or str(path_of(number)),
                              base_model=base_model, parent_version=parent_version, status=status, source=source)
@@ -170,17 +176,15 @@ def training(session: Session, alias: str) -> AdapterVersion | None:
                                                      AdapterVersion.status == "training").limit(1)).first()
 
 
-def supersede(session: Session, alias: str, version: int) -> list[int]:
-    """Candidates older than ``version`` that never reached their gate: rejected, superseded (not worse)."""
-    rows = list(session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                          AdapterVersion.status == "candidate",
-                                                          AdapterVersion.version < version)))
-    for row in rows:
-        row.status, row.decided_at = "rejected", utcnow()
-        row.reason = f"superseded by version {version} before its gate"
-        session.add(row)
-    session.commit()
-    return [row.version for row in rows]
+def supersede(session: Session, alias: str, version: int) -> None:
+    """Candidates older than ``version`` that never reached their gate: rejected, superseded (not worse); one
+    statement in the caller's transaction (it commits), which has none of them loaded (they are not refreshed)."""
+    session.execute(update(AdapterVersion)
+                    .where(col(AdapterVersion.alias) == alias, col(AdapterVersion.status) == "candidate",
+                           col(AdapterVersion.version) < version)
+                    .values(status="rejected", decided_at=utcnow(),
+                            reason=f"superseded by version {version} before its gate")
+                    .execution_options(synchronize_session=False))
 
 
 def listing(session: Session, alias: str) -> list[AdapterVersion]:

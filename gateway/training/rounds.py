@@ -3,6 +3,7 @@
     batch = where.batch(alias, max_groups)            # scored groups, base weights, the version serving now
     init = where.readable(alias, batch.current)       # that version's adapter, on this machine
     reserved = where.reserve(alias)                   # the store hands out the version number and directory
+                                                      # (or batch.reserved: with the batch, in the same call)
     result = train_round(...)                         # trainer/grpo.py, into where.writable(...)
     where.publish(...)                                # a worker's files go to the gateway (an upload)
     where.record(...)  or  where.fail(...)            # the version becomes a candidate (or failed)
@@ -42,6 +43,7 @@ class Batch:
     base_model: str
     current: dict[str, Any] | None  # {"version", "path"} of the adapter serving now, None for the base model
     args: dict[str, Any]  # the GRPOArgs the gateway's configuration resolves to for this alias
+    reserved: dict[str, Any] | None = None  # the version reserved with the batch, as ``Where.reserve`` answers
 
 
 class Where(Protocol):
@@ -84,6 +86,12 @@ class AdminApi:
             return self.client.call(method, _TRAINING + path, params=params, json=json)
 
     def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
+        """With the files where the gateway keeps them, the version is reserved in the same call: there is no
+        download between them to fail (``readable``)."""
+        if self.workdir is None:
+            body = self._call("POST", "/batch", json={"alias": alias, "max_groups": max_groups or None,
+                                                     "group_ids": group_ids or None})
+            return Batch(body["groups"], body["base_model"], body["current"], body["args"], body["reserved"])
         params = {"alias": alias} | ({"max_groups": str(max_groups)} if max_groups else {})  # else the gateway's
         if group_ids:
             params["group_ids"] = ",".join(group_ids)
@@ -212,6 +220,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     from flywheel.trainer import adapters
     from flywheel.trainer.grpo_args import GRPOArgs
 
+    GRPOArgs(**overrides)  # a bad override is refused before the batch, which may come with a version reserved
     batch = where.batch(alias, max_groups, group_ids)
     if not batch.groups:
         return RoundOutcome("nothing", None, None, 0)
@@ -219,7 +228,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     groups = [TrainingGroup.from_json(g) for g in batch.groups]
     batch_ids = [g.group_id for g in groups]
     init = where.readable(alias, batch.current)  # before reserving: a failed download uses up no version number
-    reserved = where.reserve(alias, batch)
+    reserved = batch.reserved or where.reserve(alias, batch)
     version, out_dir = reserved["version"], where.writable(alias, reserved)
     try:
         from flywheel.trainer.grpo import train_round

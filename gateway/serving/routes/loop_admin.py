@@ -206,10 +206,10 @@ async def train_now(alias: str, request: Request) -> Response:
     body = TrainRequest.model_validate(await _body(request, TrainRequest, state))
     state.router.get(alias)
     loop = Loop.of(request)
-    flight = (await state.store.serving())[alias].in_flight
-    if flight is not None and flight.status == "training":
-        raise Conflict(f"{alias} is already training version {flight.version}")
-    async with loop.lock("train", alias):
+    lock = loop.lock("train", alias)
+    if lock.locked():  # this gateway runs one; a round of another process refuses this one its version
+        raise Conflict(f"{alias} is already training: one round at a time")
+    async with lock:
         result = await loop.child.run(alias, body.group_ids, body.args)
     if result.reply is None or result.reply.summary is None:
         why = result.reply.error if result.reply else result.tail[-1500:]

@@ -5,6 +5,9 @@
                                                                             ``[train] workers``: none unless
                                                                             the loop's rule says a round is
                                                                             due and no version is in flight)
+    POST /flywheel/v1/training/batch     {"alias", "max_groups", "group_ids"}  the same, and the next version
+                                                                            reserved for it (none when no
+                                                                            group waits)
     POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
     POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
     POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
@@ -24,7 +27,7 @@ import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
@@ -68,26 +71,49 @@ async def get_batch(request: Request) -> Response:
     state = GatewayState.of(request)
     state.auth.admin(request)
     params = request.query_params
-    alias = params.get("alias") or ""
-    state.router.get(alias)  # an alias that does not exist is the client's error, here
     raw = params.get("max_groups") or str(state.settings.train.max_groups)
     if not raw.isdigit() or int(raw) < 1:
         raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
+    group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
+    batch, _ = await _batch(request, state, params.get("alias") or "", int(raw), group_ids)
+    return json_response(batch)
+
+
+class BatchRequest(BaseModel):
+    alias: str
+    max_groups: int | None = Field(default=None, ge=1, description="default: train.max_groups")
+    group_ids: list[str] | None = Field(default=None, description="only these scored groups")
+
+
+@router.post("/batch", openapi_extra=json_body(BatchRequest), responses=ERRORS)
+async def post_batch(request: Request) -> Response:
+    """``GET /batch``'s answer and, when it holds a group, the next version reserved for the round (``reserved``,
+    as ``POST /versions`` answers): a round with nothing to download between them asks once."""
+    state, body = await _admin_body(request, BatchRequest)
+    batch, head = await _batch(request, state, body.alias, body.max_groups or state.settings.train.max_groups,
+                               body.group_ids)
+    reserved = await _reserve(state, body.alias, head) if batch["groups"] else None
+    return json_response(batch | {"reserved": reserved})
+
+
+async def _batch(request: Request, state: GatewayState, alias: str, max_groups: int,
+                 group_ids: list[str] | None) -> tuple[dict[str, Any], Version | None]:
+    """The batch's answer (groups, base weights, the version it continues from, GRPOArgs), and that version."""
+    state.router.get(alias)  # an alias that does not exist is the client's error, here
     try:
         base = base_model_path(state.settings, alias)
     except ValueError as exc:
         raise BadRequest(f"Invalid training request: {exc}", param="alias") from None
     args = asdict(grpo_args(state.settings, base))
-    group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
 
     async def batch() -> list[TrainingGroup]:
         if state.settings.train.workers and group_ids is None and not await _worker_round_due(request, state, alias):
             return []  # trainer workers ask often: a round only when the loop would train
-        return await state.store.training_batch(alias, int(raw), group_ids)
+        return await state.store.training_batch(alias, max_groups, group_ids)
 
     groups, head = await asyncio.gather(batch(), state.store.training_head(alias))  # both at once
     current = {"version": head.version, "path": head.path} if head else None
-    return json_response({"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args})
+    return {"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args}, head
 
 
 async def _worker_round_due(request: Request, state: GatewayState, alias: str) -> bool:
@@ -108,12 +134,16 @@ class VersionRequest(BaseModel):
 async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
-    served = state.router.get(body.alias)
-    head = await state.store.training_head(body.alias)  # what the round continues from
-    row = await state.store.reserve_version(body.alias, served.base_model,
-                                            parent_version=head.version if head else None,
-                                            alone=state.settings.train.workers)  # workers: never two rounds at once
-    return json_response(row)
+    state.router.get(body.alias)
+    return json_response(await _reserve(state, body.alias, await state.store.training_head(body.alias)))
+
+
+async def _reserve(state: GatewayState, alias: str, head: Version | None) -> Version:
+    """The next version of ``alias`` for a round that continues ``head``: never while another round of it trains,
+    whichever process runs that one; with workers, never while a version is in flight."""
+    return await state.store.reserve_version(alias, state.router.get(alias).base_model,
+                                             parent_version=head.version if head else None,
+                                             alone=state.settings.train.workers, one_round=True)
 
 
 class RoundReport(BaseModel):
