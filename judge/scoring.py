@@ -58,12 +58,24 @@ class ScoringSummary:
 def pending_groups(engine: Engine, alias: str | None = None, limit: int | None = None) -> list[Group]:
     """Closed groups with no final rewards yet, oldest first."""
     with Session(engine) as session:
-        query = select(Group).where(Group.status == "closed").order_by(col(Group.created_at))
-        if alias is not None:
-            query = query.where(Group.alias == alias)
-        if limit is not None:
-            query = query.limit(limit)
-        return list(session.exec(query))
+        return _pending(session, alias, limit)
+
+
+def _pending(session: Session, alias: str | None, limit: int | None) -> list[Group]:
+    query = select(Group).where(Group.status == "closed").order_by(col(Group.created_at))
+    if alias is not None:
+        query = query.where(Group.alias == alias)
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.exec(query))
+
+
+def _pending_inputs(engine: Engine, alias: str | None, limit: int | None, *,
+                    judged: bool) -> tuple[list[Group], dict[str, JudgeInput]]:
+    """``pending_groups`` and their ``groups_for_judge``, in one session."""
+    with Session(engine) as session:
+        groups = _pending(session, alias, limit)
+        return groups, _inputs(session, groups, judged)
 
 
 class JudgeInput(NamedTuple):
@@ -80,26 +92,31 @@ INPUT_CHUNK = 200  # groups read together: a few queries per chunk, not a few pe
 WRITE_EVERY = 100  # judged groups written together
 
 
-def groups_for_judge(engine: Engine, groups: list[Group]) -> dict[str, JudgeInput]:
+def groups_for_judge(engine: Engine, groups: list[Group], *, judged: bool = True) -> dict[str, JudgeInput]:
     """Each group (by id) as trajectories, the members' latest feedback rewards, and the task key (for the
-    rubric); read for many groups at once, one query per table."""
-    out: dict[str, JudgeInput] = {}
+    rubric); read for many groups at once, one query per table. ``judged``: a judge or hook reads the members'
+    conversations; else (feedback alone decides) they are left unread."""
     with Session(engine) as session:
-        for chunk in chunks(groups, INPUT_CHUNK):
-            out.update(_groups_for_judge(session, chunk))
+        return _inputs(session, groups, judged)
+
+
+def _inputs(session: Session, groups: list[Group], judged: bool) -> dict[str, JudgeInput]:
+    out: dict[str, JudgeInput] = {}
+    for chunk in chunks(groups, INPUT_CHUNK):
+        out.update(_groups_for_judge(session, chunk, judged))
     return out
 
 
-def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeInput]:
+def _groups_for_judge(session: Session, groups: list[Group], judged: bool) -> dict[str, JudgeInput]:
     members_of: dict[str, list[GroupMemberRow]] = {g.id: [] for g in groups}
     for member in session.exec(select(GroupMemberRow).where(col(GroupMemberRow.group_id).in_(list(members_of)))):
         members_of[member.group_id].append(member)
     forks = [m for g in groups if g.source == "fork" for m in members_of[g.id]]
     others = [m for g in groups if g.source != "fork" for m in members_of[g.id]]
     # Kept apart: a fork group's leaf (its turn alone) may also end a task group's member (its whole branch).
-    fork_paths = branches(session, forks, single_turn=True) if forks else {}
-    other_paths = branches(session, others) if others else {}
-    parents = with_sub_agents(session, [m.trajectory_id for m in others]) if others else set()
+    fork_paths = branches(session, forks, single_turn=True) if forks and judged else {}
+    other_paths = branches(session, others) if others and judged else {}
+    parents = with_sub_agents(session, [m.trajectory_id for m in others]) if others and judged else set()
     feedback: dict[str, float] = {}
     for trajectory_id, reward, label in session.execute(
             select(Feedback.trajectory_id, Feedback.reward, Feedback.label)
@@ -116,6 +133,10 @@ def _groups_for_judge(session: Session, groups: list[Group]) -> dict[str, JudgeI
         paths = fork_paths if group.source == "fork" else other_paths
         for member in members_of[group.id]:
             if member.leaf_turn_id is None:
+                continue
+            if not judged:  # feedback alone decides: the member's id is all it needs
+                trajectories.append(Trajectory(messages_and_choices=[], id=member.trajectory_id,
+                                               leaf_turn_id=member.leaf_turn_id))
                 continue
             turns = paths[member.leaf_turn_id]
             task = task or turns[0].task_key
@@ -249,8 +270,8 @@ async def score_pending(engine: Engine, config: JudgeConfig, policy: RewardPolic
                         on_group_done: Callable[[Group, bool], None] | None = None) -> ScoringSummary:
     """Score every closed, unscored group (optionally of one alias), ``max_concurrency`` calls at a time."""
     started = time.perf_counter()
-    groups = await asyncio.to_thread(pending_groups, engine, alias, limit)
-    inputs = await asyncio.to_thread(groups_for_judge, engine, groups)
+    groups, inputs = await asyncio.to_thread(_pending_inputs, engine, alias, limit,
+                                             judged=config.enabled)
     summary = ScoringSummary(groups=len(groups))
     semaphore = asyncio.Semaphore(config.max_concurrency)
     cache = JudgeCache(engine, deferred=True)

@@ -282,9 +282,9 @@ def build_store_app(settings: Settings, ingest_socket: Path) -> FastAPI:
             state.store.close()
 
     app = FastAPI(title="Flywheel store", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(internal)  # first: the gateway's own calls, several a second, match without trying the rest
     for router in STORE_ROUTERS:
         app.include_router(router)
-    app.include_router(internal)
     install_error_handlers(app)
     app.add_middleware(RedactedBodies, redactor=redactor_for(settings))  # what the routes write is redacted
     app.add_middleware(ForwardedClient)

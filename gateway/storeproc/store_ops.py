@@ -18,7 +18,21 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, CompoundSelect, Connection, and_, func, insert, literal, or_, text, union_all
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Float,
+    String,
+    and_,
+    cast,
+    func,
+    insert,
+    literal,
+    null,
+    or_,
+    text,
+    union_all,
+)
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlmodel import Session, col, delete, select
 
@@ -347,7 +361,7 @@ def record_runs(store: Store, settings: Settings, runs: list[JobRunRecord]) -> N
             session.execute(delete(JobRun).where(col(JobRun.job) == job, col(JobRun.alias).is_not_distinct_from(alias),
                                                  col(JobRun.status).in_(QUIET_STATUSES))
                             .execution_options(synchronize_session=False))
-        session.execute(insert(JobRun), [run.model_dump() for run in kept])
+        session.execute(insert(JobRun).values([run.model_dump() for run in kept]))  # one statement, not one a row
         session.commit()
 
 
@@ -447,35 +461,37 @@ def _reward_inputs(session: Reader, alias: str, since: datetime | None, until: d
 
 
 def _reward_inputs_of(session: Reader, alias: str, ids: list[str], judge_only: bool) -> RewardInputs:
-    """``_reward_inputs`` of the trajectories ``ids``: each table read by its indexed trajectory id alone, every
-    other condition checked here (with another predicate DuckDB scans the table instead of using the index)."""
-    closed = {i: closed_at for i, closed_at, owner, status, reason in session.execute(
-              sa_select(col(Trajectory.id), col(Trajectory.closed_at), col(Trajectory.alias), col(Trajectory.status),
-                        col(Trajectory.close_reason)).where(col(Trajectory.id).in_(ids)))
-              if owner == alias and status == "closed" and reason != "fork"}
-    if not closed:
-        return [], [], []
+    """``_reward_inputs`` of the trajectories ``ids``, in one statement: each table read by its indexed trajectory
+    id alone (with another predicate DuckDB scans the table instead of using the index), every other condition
+    checked here."""
+    text_null, number_null = cast(null(), String), cast(null(), Float)
+    rows = session.execute(union_all(
+        sa_select(literal("trajectory"), col(Trajectory.id), number_null, col(Trajectory.alias), col(Trajectory.status),
+                  col(Trajectory.close_reason), col(Trajectory.closed_at)).where(col(Trajectory.id).in_(ids)),
+        sa_select(literal("turn"), col(Turn.trajectory_id), cast(col(Turn.adapter_version), Float), col(Turn.source),
+                  text_null, text_null, col(Turn.created_at)).where(col(Turn.trajectory_id).in_(ids)),
+        sa_select(literal("feedback"), col(Feedback.trajectory_id), cast(col(Feedback.reward), Float),
+                  col(Feedback.label), text_null, text_null, col(Feedback.created_at))
+        .where(col(Feedback.trajectory_id).in_(ids)),
+        sa_select(literal("score"), col(Score.trajectory_id), col(Score.value), col(Score.source), text_null, text_null,
+                  col(Score.created_at)).where(col(Score.trajectory_id).in_(ids)))).all()
+    closed = {i: at for kind, i, _, owner, status, reason, at in rows
+              if kind == "trajectory" and owner == alias and status == "closed" and reason != "fork"}
     spans: dict[str, tuple[int, int]] = {}
-    for trajectory_id, version, source in session.execute(
-            sa_select(col(Turn.trajectory_id), col(Turn.adapter_version), col(Turn.source))
-            .where(col(Turn.trajectory_id).in_(list(closed)))):
-        if source != "fork":
-            low, high = spans.get(trajectory_id, (version, version))
-            spans[trajectory_id] = (min(low, version), max(high, version))
-    versions = [(i, closed[i], low, high) for i, (low, high) in spans.items()]
     told: list[tuple[str, float | None, str | None]] = []
     final: list[tuple[str, float]] = []
-    said: CompoundSelect[Any] = union_all(  # feedback and final rewards in one statement, oldest first
-        sa_select(literal("feedback"), col(Feedback.trajectory_id), col(Feedback.reward), col(Feedback.label),
-                  col(Feedback.created_at)).where(col(Feedback.trajectory_id).in_(list(spans))),
-        sa_select(literal("score"), col(Score.trajectory_id), col(Score.value), col(Score.source),
-                  col(Score.created_at)).where(col(Score.trajectory_id).in_(list(spans))))
-    for kind, trajectory_id, value, label_or_source, _ in session.execute(said.order_by(said.selected_columns[4])):
-        if kind == "feedback" and not judge_only:
-            told.append((trajectory_id, value, label_or_source))
-        elif kind == "score" and label_or_source == "reward":
-            final.append((trajectory_id, value))
-    return versions, told, final
+    for kind, trajectory_id, number, word, _, _, _ in sorted((r for r in rows if r[1] in closed),
+                                                             key=lambda r: (r[6] is None, r[6] or 0)):
+        if kind == "turn" and word != "fork":
+            version = int(number)
+            low, high = spans.get(trajectory_id, (version, version))
+            spans[trajectory_id] = (min(low, version), max(high, version))
+        elif kind == "feedback" and not judge_only:
+            told.append((trajectory_id, number, word))  # oldest first: the latest feedback wins
+        elif kind == "score" and word == "reward":
+            final.append((trajectory_id, number))
+    versions = [(i, closed[i], low, high) for i, (low, high) in spans.items()]
+    return versions, [t for t in told if t[0] in spans], [f for f in final if f[0] in spans]
 
 
 def rewards(store: Store, settings: Settings, alias: str, since: datetime | None = None,
