@@ -362,6 +362,9 @@ async def _call_judge(messages: list[Message], judge_model: str, *, api_base: st
     """The one place the judge model is called."""
     litellm = _litellm()
     kwargs: dict[str, Any] = {"response_format": JudgeAnswer, **(extra_litellm_params or {})}
+    if api_base is not None and _direct(litellm, judge_model, kwargs):
+        return await _call_endpoint(litellm, messages, judge_model, api_base=api_base, api_key=api_key,
+                                    timeout_s=timeout_s, kwargs=kwargs)
     kwargs.update(model=judge_model, messages=messages, timeout=timeout_s,
                   max_retries=0, num_retries=0,  # the loop in _judge retries; the openai client would add 2 more
                   caching=False)
@@ -378,6 +381,50 @@ async def _call_judge(messages: list[Message], judge_model: str, *, api_base: st
     except Exception as exc:
         if isinstance(exc, litellm.Timeout):
             raise JudgeTimeoutError(f"no answer from {judge_model} within {timeout_s} s") from exc
+        raise JudgeCallError(f"calling {judge_model} failed: {type(exc).__name__}: {exc}") from exc
+
+
+# An endpoint of one's own that speaks OpenAI's API, named by ``api_base``: litellm would add nothing but its cost
+OPENAI_COMPATIBLE = ("openai/", "hosted_vllm/")
+# The arguments such an endpoint takes as they are; any other is litellm's to translate
+OPENAI_CHAT_ARGUMENTS = frozenset({"response_format", "temperature", "top_p", "max_tokens", "max_completion_tokens",
+                                   "seed", "stop", "reasoning_effort", "presence_penalty", "frequency_penalty"})
+
+
+def _direct(litellm: Any, judge_model: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether the judge (at an ``api_base``) is an OpenAI-compatible endpoint litellm has no price for, called with
+    arguments such an endpoint takes: then litellm's per-call work (routing, logging, pricing) buys nothing
+    (docs/judge.md)."""
+    if not judge_model.startswith(OPENAI_COMPATIBLE) or not set(kwargs) <= OPENAI_CHAT_ARGUMENTS:
+        return False
+    name = judge_model.split("/", 1)[1]
+    return judge_model not in litellm.model_cost and name not in litellm.model_cost
+
+
+_ENDPOINTS: dict[tuple[str, str | None], Any] = {}  # (api_base, api_key) -> openai.AsyncOpenAI, one pool each
+
+
+async def _call_endpoint(litellm: Any, messages: list[Message], judge_model: str, *, api_base: str,
+                         api_key: str | None, timeout_s: float, kwargs: dict[str, Any]) -> Any:
+    """The judge called with the ``openai`` client: the request litellm would send (the model's name without its
+    prefix, the answer's JSON schema as litellm renders it), its errors as the judge's."""
+    import openai
+
+    client = _ENDPOINTS.get((api_base, api_key))
+    if client is None:
+        client = _ENDPOINTS[(api_base, api_key)] = openai.AsyncOpenAI(base_url=api_base, api_key=api_key or "none",
+                                                                      max_retries=0)
+    arguments = dict(kwargs)
+    if isinstance(arguments["response_format"], type):
+        arguments["response_format"] = litellm.utils.type_to_response_format_param(arguments["response_format"])
+    try:
+        async with asyncio.timeout(timeout_s * 1.5 + 1.0):
+            chat: Any = messages  # OpenAI messages, as litellm takes them
+            return await client.chat.completions.create(model=judge_model.split("/", 1)[1], messages=chat,
+                                                        timeout=timeout_s, **arguments)
+    except (TimeoutError, openai.APITimeoutError) as exc:
+        raise JudgeTimeoutError(f"no answer from {judge_model} within {timeout_s} s") from exc
+    except openai.OpenAIError as exc:
         raise JudgeCallError(f"calling {judge_model} failed: {type(exc).__name__}: {exc}") from exc
 
 
