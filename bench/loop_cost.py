@@ -21,7 +21,8 @@ Two modes per shape, measured in the same run:
 - ``capture``: ``[loop] enabled = false`` and groups formed once an hour: what capture alone costs;
 - ``loop``: the loop on (idle close, group formation, scoring, the train/gate/ab ticks; training is never due, so
   no training child runs), and ``GET /flywheel/v1/status`` plus the versions polled once a second, as the demo's
-  screen does.
+  screen does. Traffic starts once the loop's first runs, which read the whole store once (the reward per version,
+  the trajectories waiting for a group), are done: their time and store CPU are printed apart.
 
 After ``warmup_s`` of traffic, CPU (user + system, from /proc via psutil) of the store process and of the serving
 process is counted over ``window_s``, and divided by the episodes finished in that window. Printed: ms of CPU per
@@ -211,6 +212,18 @@ async def drive(client: httpx.AsyncClient, rate: float, seconds: float, forks: b
     await asyncio.gather(*tasks)
 
 
+async def settled(client: httpx.AsyncClient, timeout_s: float = 900.0) -> None:
+    """Until the loop's first runs are done: they read the whole store once (the reward per version, what waits for a
+    group); the steady state is measured after them, their cost apart."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = (await client.get("/flywheel/v1/status")).json()["aliases"][0]
+        if (status["jobs"].get("form_groups") or {}).get("finished_at"):
+            return
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"the loop's first group formation did not finish within {timeout_s:.0f} s")
+
+
 async def poll_status(client: httpx.AsyncClient) -> None:
     """What ``flywheel demo``'s screen reads once a second."""
     while True:
@@ -285,8 +298,12 @@ async def measure(args: Args, template: Path, workdir: Path, ports: tuple[int, i
         store = _store_process(serving)
         assert store is not None, "the gateway has no store process"
         done: list[float] = []
-        async with httpx.AsyncClient(base_url=url, timeout=120.0,
+        async with httpx.AsyncClient(base_url=url, timeout=900.0,
                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+            first = (time.monotonic(), cpu_s(store))
+            if loop:
+                await settled(client)
+            startup = (time.monotonic() - first[0], cpu_s(store) - first[1])
             poller = asyncio.create_task(poll_status(client)) if loop else None
             load = asyncio.create_task(drive(client, args.rate, args.warmup_s + args.window_s + 5.0, forks, done))
             await asyncio.sleep(args.warmup_s)
@@ -303,7 +320,8 @@ async def measure(args: Args, template: Path, workdir: Path, ports: tuple[int, i
         return {"episodes": episodes, "episodes_per_s": episodes / (end[0] - start[0]),
                 "store_ms": (end[1] - start[1]) * 1e3 / max(1, episodes),
                 "serving_ms": (end[2] - start[2]) * 1e3 / max(1, episodes),
-                "store_cores": (end[1] - start[1]) / (end[0] - start[0])}
+                "store_cores": (end[1] - start[1]) / (end[0] - start[0]),
+                "startup_s": startup[0], "startup_store_cpu_s": startup[1]}
     finally:
         stop(gateway)
 
@@ -337,13 +355,14 @@ async def run(args: Args) -> list[dict[str, Any]]:
 def report(rows: list[dict[str, Any]]) -> None:
     table = Table(title="loop bookkeeping: CPU ms per episode")
     for column in ("forks", "stored turns", "mode", "episodes/s", "store ms", "serving ms", "store cores",
-                   "store: loop / capture"):
+                   "store: loop / capture", "first runs: s (store CPU s)"):
         table.add_column(column, justify="right")
     capture = {(r["forks"], r["size"]): r["store_ms"] for r in rows if r["mode"] == "capture"}
     for r in rows:
         ratio = r["store_ms"] / capture[(r["forks"], r["size"])] if r["mode"] == "loop" else 1.0
         table.add_row("on" if r["forks"] else "off", f"{r['size']:,}", r["mode"], f"{r['episodes_per_s']:.2f}",
-                      f"{r['store_ms']:.1f}", f"{r['serving_ms']:.1f}", f"{r['store_cores']:.2f}", f"{ratio:.2f}")
+                      f"{r['store_ms']:.1f}", f"{r['serving_ms']:.1f}", f"{r['store_cores']:.2f}", f"{ratio:.2f}",
+                      f"{r['startup_s']:.1f} ({r['startup_store_cpu_s']:.1f})" if r["mode"] == "loop" else "")
     Console(width=140).print(table)
     for forks in sorted({r["forks"] for r in rows}):
         loop = sorted((r["size"], r["store_ms"]) for r in rows if r["forks"] == forks and r["mode"] == "loop")

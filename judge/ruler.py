@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -33,8 +34,10 @@ import math
 import os
 import random
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -401,31 +404,59 @@ def _direct(litellm: Any, judge_model: str, kwargs: Mapping[str, Any]) -> bool:
     return judge_model not in litellm.model_cost and name not in litellm.model_cost
 
 
-_ENDPOINTS: dict[tuple[str, str | None], Any] = {}  # (api_base, api_key) -> openai.AsyncOpenAI, one pool each
+class EndpointError(Exception):
+    """An error answer of the judge's endpoint (``_call_endpoint``): its status, for ``_retryable``."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+
+
+# Per event loop (a pooled connection belongs to the loop that opened it): api_base -> httpx.AsyncClient
+_ENDPOINTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _schema_format(litellm: Any, answer: type[BaseModel]) -> dict[str, Any]:
+    return dict(litellm.utils.type_to_response_format_param(answer))
 
 
 async def _call_endpoint(litellm: Any, messages: list[Message], judge_model: str, *, api_base: str,
                          api_key: str | None, timeout_s: float, kwargs: dict[str, Any]) -> Any:
-    """The judge called with the ``openai`` client: the request litellm would send (the model's name without its
-    prefix, the answer's JSON schema as litellm renders it), its errors as the judge's."""
-    import openai
+    """The judge called over plain HTTP: the request litellm would send (the model's name without its prefix, the
+    answer's JSON schema as litellm renders it), the answer read into what ``judge_candidates`` reads of litellm's
+    (``choices[0].message.content``, ``usage``), its errors as the judge's."""
+    import httpx
 
-    client = _ENDPOINTS.get((api_base, api_key))
+    clients = _ENDPOINTS.setdefault(asyncio.get_running_loop(), {})
+    client = clients.get(api_base)
     if client is None:
-        client = _ENDPOINTS[(api_base, api_key)] = openai.AsyncOpenAI(base_url=api_base, api_key=api_key or "none",
-                                                                      max_retries=0)
-    arguments = dict(kwargs)
-    if isinstance(arguments["response_format"], type):
-        arguments["response_format"] = litellm.utils.type_to_response_format_param(arguments["response_format"])
+        client = clients[api_base] = httpx.AsyncClient()
+    body = {**kwargs, "model": judge_model.split("/", 1)[1], "messages": messages}
+    if isinstance(body["response_format"], type):
+        body["response_format"] = _schema_format(litellm, body["response_format"])
+    elif body["response_format"] is None:
+        del body["response_format"]  # send none, as litellm does
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with asyncio.timeout(timeout_s * 1.5 + 1.0):
-            chat: Any = messages  # OpenAI messages, as litellm takes them
-            return await client.chat.completions.create(model=judge_model.split("/", 1)[1], messages=chat,
-                                                        timeout=timeout_s, **arguments)
-    except (TimeoutError, openai.APITimeoutError) as exc:
+            response = await client.post(api_base.rstrip("/") + "/chat/completions", json=body, headers=headers,
+                                         timeout=timeout_s)
+    except (TimeoutError, httpx.TimeoutException) as exc:
         raise JudgeTimeoutError(f"no answer from {judge_model} within {timeout_s} s") from exc
-    except openai.OpenAIError as exc:
-        raise JudgeCallError(f"calling {judge_model} failed: {type(exc).__name__}: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise JudgeCallError(f"calling {judge_model} failed: {type(exc).__name__}: {exc}") \
+            from ConnectionError(str(exc))
+    if response.status_code >= 400:
+        raise JudgeCallError(f"calling {judge_model} failed: HTTP {response.status_code}") \
+            from EndpointError(response.status_code, response.text[:500])
+    try:
+        answer = response.json()
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(**choice["message"]))
+                                        for choice in answer["choices"]],
+                               usage=SimpleNamespace(**(answer.get("usage") or {})))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise JudgeAnswerError(f"{judge_model} answered no chat completion: {response.text[:200]!r}") from exc
 
 
 def _backoff_delay(retry: int, backoff_s: float, backoff_max_s: float) -> float:
