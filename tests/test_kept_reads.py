@@ -2,14 +2,17 @@
 
 The store interface is called as the store process calls it (``LocalStore``), on a DuckDB file and on
 the session's PostgreSQL server; the writes are the store's own (a version reserved, turns written by
-the store's write path, feedback riding a batch, a job run recorded).
+the store's write path, feedback riding a batch, a job run recorded). The serving process's own kept
+version reads are checked through a gateway, with versions written while another client reads them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import insert
 
@@ -20,6 +23,8 @@ from flywheel.capture.turns import CapturedExchange, prepare_lines
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import JobRunRecord
 from flywheel.gateway.storeproc.store_api_local import LocalStore
+from tests.test_loop_versions import admin, start
+from tests.vllm_standin import VllmStandIn
 
 
 def settings(tmp_path: Path) -> Settings:
@@ -89,3 +94,33 @@ def test_a_commit_counts_once_it_is_visible_and_a_quiet_job_waits_for_a_write(tm
         assert [group.size for group in formed] == [4]
     finally:
         store.close()
+
+
+def test_a_version_written_while_a_kept_read_runs_is_never_hidden(tmp_path: Path, vllm: VllmStandIn) -> None:
+    """The gateway keeps its version reads; versions written while another request reads them must show next."""
+    gateway = start(tmp_path, vllm)
+
+    def versions() -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = admin(gateway, "GET", "/aliases/agent/versions")["data"]
+        return rows
+
+    reading = threading.Event()
+    reads: list[int] = []
+
+    def read_all_along() -> None:
+        while not reading.is_set():
+            reads.append(len(versions()))
+
+    reader = threading.Thread(target=read_all_along)
+    reader.start()
+    try:
+        for _ in range(40):  # each round writes versions twice: reserved, then failed
+            reserved = admin(gateway, "POST", "/training/versions", json={"alias": "agent"})
+            admin(gateway, "POST", "/training/failures", json={"alias": "agent", "version": reserved["version"],
+                                                               "error": "a round that raised"})
+            rows = versions()
+            assert (len(rows), rows[-1]["status"]) == (reserved["version"], "failed"), rows
+    finally:
+        reading.set()
+        reader.join(timeout=60)
+    assert len(reads) > 40  # the reader ran all along

@@ -79,7 +79,8 @@ class StoreLink:
         self.sent = 0  # exchanges written to the current ingest connection
         self.acked = 0  # of those, the ones the store process has written or spooled
         self.versions_changes = 0  # how often the store process's answers showed its versions stamp change
-        self._versions_stamp: str | None = None
+        self._versions_stamp: int | None = None  # the newest answer's, when it read at a settled count
+        self._versions_newest = -1  # the most writes of versions any answer showed
         self._unacked: deque[bytes] = deque()  # the lines sent after the first ``acked``, in order
         self._unacked_bytes = 0
         self._acks: asyncio.Task[None] | None = None  # reads the acknowledgements until the connection ends
@@ -270,6 +271,8 @@ class StoreLink:
             self._http = aiohttp.ClientSession(connector=connector,
                                                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         await self._wait_ready(timeout_s)
+        self._versions_stamp, self._versions_newest = None, -1  # a new process counts from zero
+        self.versions_changes += 1
         self._ingest_eof, self._ingest = await asyncio.open_unix_connection(str(self.ingest_socket))
         self.sent = self.acked = 0
         self._acks = asyncio.create_task(self._read_acks(self._ingest_eof), name="flywheel-store-acks")
@@ -318,7 +321,7 @@ class StoreLink:
 
     async def call_seen(self, method: str, path: str, *, params: dict[str, str] | None = None,
                         json: Any = None, fresh: bool = True) -> tuple[Any, int | None]:
-        """``call``, and ``versions_changes`` as its answer left it (None: a write of versions was committing)."""
+        """``call``, and ``versions_changes`` as its answer left it (None: it may predate a write of versions)."""
         headers = {}
         if fresh:
             await self._caught_up()
@@ -337,12 +340,20 @@ class StoreLink:
         return orjson.loads(body), seen
 
     def _saw(self, response: aiohttp.ClientResponse) -> int | None:
-        """Count a change of the store process's versions stamp (an answer without one counts as a change)."""
-        stamp = response.headers.get(VERSIONS_STAMP_HEADER) or None
-        if stamp is None or stamp != self._versions_stamp:
+        """Count a change of the store process's versions stamp (``storeproc/main.py: VersionsStamp``); the
+        count an answer read at, or None when what it read may be older than a write already committed."""
+        value = response.headers.get(VERSIONS_STAMP_HEADER) or ""
+        written = int(value.lstrip("~")) if value.lstrip("~").isdigit() else None
+        if written is not None:
+            self._versions_newest = max(self._versions_newest, written)
+        if value.startswith("~") or written is None or written < self._versions_newest:
+            self.versions_changes += 1  # answers come back in any order: one older than a seen write is no stamp
+            self._versions_stamp = None
+            return None
+        if written != self._versions_stamp:
             self.versions_changes += 1
-        self._versions_stamp = stamp
-        return self.versions_changes if stamp is not None else None
+            self._versions_stamp = written
+        return self.versions_changes
 
     async def forward(self, request: Request, body: bytes) -> Response:
         """Send a client's request (its ``body`` already read) to the store process as it came; stream the

@@ -236,7 +236,11 @@ CLIENT_HOST_HEADER_BYTES = CLIENT_HOST_HEADER.encode()
 
 class VersionsStamp:
     """ASGI middleware: every answer says how many writes of ``adapter_versions`` this process has committed, so the
-    gateway keeps its version reads exactly as long as no answer shows a change (``serving/store_client.py``)."""
+    gateway keeps its version reads exactly as long as no answer shows a change (``serving/store_client.py``).
+
+    The count is taken before the request runs and again as its answer starts: ``N`` when both are N (what the
+    request read is all of N's writes and no later one), ``~N`` when a write committed meanwhile (what it read may
+    predate N), empty while a write is committing."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -245,16 +249,23 @@ class VersionsStamp:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        before = _versions_written(scope)
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
-                state: StoreState | None = getattr(scope["app"].state, "store_state", None)
-                stamp = state.store.stamps.stamp(("adapter_versions",)) if state is not None else None
-                value = b"" if stamp is None else str(stamp[0]).encode()
+                after = _versions_written(scope)
+                value = b"" if after is None else (b"" if after == before else b"~") + str(after).encode()
                 message = {**message, "headers": [*message.get("headers", []), (VERSIONS_STAMP_BYTES, value)]}
             await send(message)
 
         await self.app(scope, receive, stamped)
+
+
+def _versions_written(scope: Scope) -> int | None:
+    """This process's committed writes of ``adapter_versions``; None while one is committing (or before start)."""
+    state: StoreState | None = getattr(scope["app"].state, "store_state", None)
+    stamp = state.store.stamps.stamp(("adapter_versions",)) if state is not None else None
+    return None if stamp is None else stamp[0]
 
 
 VERSIONS_STAMP_BYTES = VERSIONS_STAMP_HEADER.encode()
