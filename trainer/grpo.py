@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -203,9 +204,12 @@ def _provenance(groups: list[TrainingGroup], batch: SampleBatch, plan: GroupPlan
 
 
 def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: GRPOArgs, *,
-                init_adapter: str | Path | None = None, out_dir: str | Path,
+                init_adapter: str | Path | None = None, out_dir: str | Path | Callable[[], str | Path],
                 optimizer_state: str | Path | None = None) -> RoundResult:
     """Train one GRPO round on captured ``groups`` and write the adapter to ``out_dir`` (absent or empty).
+
+    ``out_dir`` may be a function that names it, called once just before training starts (the caller
+    reserves the version meanwhile; an exception from it ends the round before anything is trained).
 
     ``init_adapter`` (a PEFT directory, e.g. the alias's current version) is trained further;
     without it a fresh LoRA starts from the base model. ``optimizer_state`` (``optimizer.pt``
@@ -305,6 +309,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
 
             trainer.remove_callback(PrinterCallback)
         optimizer_status = _load_optimizer_state(trainer, optimizer_state)
+        out = Path(out_dir() if callable(out_dir) else out_dir)
 
         # 4. train
         trainer.train()
@@ -322,7 +327,6 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
                                    if f.name in _TRL_KEYS})
         config["versions"] = _versions()
         finished_at = _utcnow()
-        out = Path(out_dir)
         result = RoundResult("finished", out, out / adapters.OPTIMIZER_FILE, metrics, steps, config,
                              list(plan.slot_group_ids), skipped, base, config["init_adapter"], started_at,
                              finished_at)

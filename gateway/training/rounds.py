@@ -2,8 +2,8 @@
 
     batch = where.batch(alias, max_groups)            # scored groups, base weights, the version serving now
     init = where.readable(alias, batch.current)       # that version's adapter, on this machine
-    reserved = where.reserve(alias)                   # the store hands out the version number and directory
-                                                      # (or batch.reserved: with the batch, in the same call)
+    reserved = where.reserve(alias)                   # the store hands out the version number and directory,
+                                                      # asked on a thread while the trainer is built
     result = train_round(...)                         # trainer/grpo.py, into where.writable(...)
     where.publish(...)                                # a worker's files go to the gateway (an upload)
     where.record(...)  or  where.fail(...)            # the version becomes a candidate (or failed)
@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,6 @@ class Batch:
     base_model: str
     current: dict[str, Any] | None  # {"version", "path"} of the adapter serving now, None for the base model
     args: dict[str, Any]  # the GRPOArgs the gateway's configuration resolves to for this alias
-    reserved: dict[str, Any] | None = None  # the version reserved with the batch, as ``Where.reserve`` answers
 
 
 class Where(Protocol):
@@ -86,12 +86,6 @@ class AdminApi:
             return self.client.call(method, _TRAINING + path, params=params, json=json)
 
     def batch(self, alias: str, max_groups: int | None, group_ids: list[str] | None) -> Batch:
-        """With the files where the gateway keeps them, the version is reserved in the same call: there is no
-        download between them to fail (``readable``)."""
-        if self.workdir is None:
-            body = self._call("POST", "/batch", json={"alias": alias, "max_groups": max_groups or None,
-                                                     "group_ids": group_ids or None})
-            return Batch(body["groups"], body["base_model"], body["current"], body["args"], body["reserved"])
         params = {"alias": alias} | ({"max_groups": str(max_groups)} if max_groups else {})  # else the gateway's
         if group_ids:
             params["group_ids"] = ",".join(group_ids)
@@ -220,7 +214,7 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     from flywheel.trainer import adapters
     from flywheel.trainer.grpo_args import GRPOArgs
 
-    GRPOArgs(**overrides)  # a bad override is refused before the batch, which may come with a version reserved
+    GRPOArgs(**overrides)  # a bad override is refused before the batch
     batch = where.batch(alias, max_groups, group_ids)
     if not batch.groups:
         return RoundOutcome("nothing", None, None, 0)
@@ -228,22 +222,31 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     groups = [TrainingGroup.from_json(g) for g in batch.groups]
     batch_ids = [g.group_id for g in groups]
     init = where.readable(alias, batch.current)  # before reserving: a failed download uses up no version number
-    reserved = batch.reserved or where.reserve(alias, batch)
-    version, out_dir = reserved["version"], where.writable(alias, reserved)
-    try:
-        from flywheel.trainer.grpo import train_round
+    with ThreadPoolExecutor(1, thread_name_prefix="flywheel-reserve") as pool:
+        # The store's answer comes while the trainer is built; training starts only once it has come (a refused
+        # round trains nothing), so it costs the round no time of its own.
+        reserving = pool.submit(where.reserve, alias, batch)
 
-        train = functools.partial(launched_round, launcher) if launcher else train_round
-        result = train(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
-                       optimizer_state=adapters.optimizer_state_of(init))
-        if result.status == "finished":
-            where.publish(alias, version, out_dir)
-    except Exception as exc:
-        adapters.discard(out_dir)
-        where.fail(alias, version, f"{type(exc).__name__}: {exc}", batch_ids)
-        raise
+        def out_dir() -> str:
+            return where.writable(alias, reserving.result())
+
+        try:
+            from flywheel.trainer.grpo import train_round
+
+            train = functools.partial(launched_round, launcher) if launcher else train_round
+            result = train(base_model or batch.base_model, groups, args, init_adapter=init, out_dir=out_dir,
+                           optimizer_state=adapters.optimizer_state_of(init))
+            version = reserving.result()["version"]
+            if result.status == "finished":
+                where.publish(alias, version, out_dir())
+        except Exception as exc:
+            if reserving.exception() is not None:  # refused: nothing was trained, no version to fail
+                raise
+            adapters.discard(out_dir())
+            where.fail(alias, reserving.result()["version"], f"{type(exc).__name__}: {exc}", batch_ids)
+            raise
     if result.status != "finished":
-        adapters.discard(out_dir)
+        adapters.discard(out_dir())
     reported = result.to_json() | {"base_model": batch.base_model}  # the gateway's name for the weights
     report = {"alias": alias, "version": version, "parent_version": batch.current["version"] if batch.current else None,
               "promote": promote, "result": reported, "batch_group_ids": batch_ids}
@@ -263,7 +266,7 @@ def summarize(outcome: RoundOutcome, round_s: float) -> RoundSummary:
 
 
 def launched_round(launcher: list[str], base_model: str, groups: list[Any], args: Any, *, init_adapter: str | None,
-                   out_dir: str, optimizer_state: Path | None) -> Any:
+                   out_dir: Callable[[], str], optimizer_state: Path | None) -> Any:
     """``train_round`` as ``python -m flywheel.trainer.grpo`` under ``launcher``; ``--result-json`` is the result."""
     import json
     import subprocess
@@ -277,7 +280,7 @@ def launched_round(launcher: list[str], base_model: str, groups: list[Any], args
         (files / "args.json").write_text(json.dumps(asdict(args)))
         command = [*launcher, "-m", "flywheel.trainer.grpo",
                    "--base", base_model, "--groups", str(files / "groups.jsonl"),
-                   "--out", out_dir, "--args-json", str(files / "args.json"),
+                   "--out", out_dir(), "--args-json", str(files / "args.json"),
                    "--result-json", str(files / "result.json")]
         if init_adapter:
             command += ["--init-adapter", init_adapter]

@@ -5,9 +5,6 @@
                                                                             ``[train] workers``: none unless
                                                                             the loop's rule says a round is
                                                                             due and no version is in flight)
-    POST /flywheel/v1/training/batch     {"alias", "max_groups", "group_ids"}  the same, and the next version
-                                                                            reserved for it (none when no
-                                                                            group waits)
     POST /flywheel/v1/training/versions  {"alias"}                          reserve the next version number
     POST /flywheel/v1/training/rounds    {"alias", "version", ...}          record a finished round
     POST /flywheel/v1/training/failures  {"alias", "version", "error"}      record a round that failed
@@ -75,30 +72,12 @@ async def get_batch(request: Request) -> Response:
     if not raw.isdigit() or int(raw) < 1:
         raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
-    batch, _ = await _batch(request, state, params.get("alias") or "", int(raw), group_ids)
-    return json_response(batch)
-
-
-class BatchRequest(BaseModel):
-    alias: str
-    max_groups: int | None = Field(default=None, ge=1, description="default: train.max_groups")
-    group_ids: list[str] | None = Field(default=None, description="only these scored groups")
-
-
-@router.post("/batch", openapi_extra=json_body(BatchRequest), responses=ERRORS)
-async def post_batch(request: Request) -> Response:
-    """``GET /batch``'s answer and, when it holds a group, the next version reserved for the round (``reserved``,
-    as ``POST /versions`` answers): a round with nothing to download between them asks once."""
-    state, body = await _admin_body(request, BatchRequest)
-    batch, head = await _batch(request, state, body.alias, body.max_groups or state.settings.train.max_groups,
-                               body.group_ids)
-    reserved = await _reserve(state, body.alias, head) if batch["groups"] else None
-    return json_response(batch | {"reserved": reserved})
+    return json_response(await _batch(request, state, params.get("alias") or "", int(raw), group_ids))
 
 
 async def _batch(request: Request, state: GatewayState, alias: str, max_groups: int,
-                 group_ids: list[str] | None) -> tuple[dict[str, Any], Version | None]:
-    """The batch's answer (groups, base weights, the version it continues from, GRPOArgs), and that version."""
+                 group_ids: list[str] | None) -> dict[str, Any]:
+    """The batch's answer: groups, base weights, the version it continues from, GRPOArgs."""
     state.router.get(alias)  # an alias that does not exist is the client's error, here
     try:
         base = base_model_path(state.settings, alias)
@@ -113,7 +92,7 @@ async def _batch(request: Request, state: GatewayState, alias: str, max_groups: 
 
     groups, head = await asyncio.gather(batch(), state.store.training_head(alias))  # both at once
     current = {"version": head.version, "path": head.path} if head else None
-    return {"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args}, head
+    return {"alias": alias, "base_model": base, "current": current, "groups": groups, "args": args}
 
 
 async def _worker_round_due(request: Request, state: GatewayState, alias: str) -> bool:
@@ -134,16 +113,13 @@ class VersionRequest(BaseModel):
 async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
-    state.router.get(body.alias)
-    return json_response(await _reserve(state, body.alias, await state.store.training_head(body.alias)))
-
-
-async def _reserve(state: GatewayState, alias: str, head: Version | None) -> Version:
-    """The next version of ``alias`` for a round that continues ``head``: never while another round of it trains,
-    whichever process runs that one; with workers, never while a version is in flight."""
-    return await state.store.reserve_version(alias, state.router.get(alias).base_model,
-                                             parent_version=head.version if head else None,
-                                             alone=state.settings.train.workers, one_round=True)
+    served = state.router.get(body.alias)
+    head = await state.store.training_head(body.alias)
+    # never while another round of the alias trains, whichever process runs it; with workers, never while a
+    # version is in flight
+    return json_response(await state.store.reserve_version(body.alias, served.base_model,
+                                                           parent_version=head.version if head else None,
+                                                           alone=state.settings.train.workers, one_round=True))
 
 
 class RoundReport(BaseModel):
