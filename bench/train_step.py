@@ -213,7 +213,7 @@ def run_generate(args: Args) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from flywheel.trainer.grpo import _target_modules
+    from flywheel.trainer.round_trainer import target_modules
 
     settings = grpo_args(args)
     cuda = torch.cuda.is_available()
@@ -222,7 +222,7 @@ def run_generate(args: Args) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if bf16 else torch.float32)
     lora = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
-                      target_modules=_target_modules(model, "all-linear"), task_type="CAUSAL_LM")
+                      target_modules=target_modules(model, "all-linear"), task_type="CAUSAL_LM")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in questions(args.groups)])
 
     # dense and cheap (docs/engineering-notes.md)

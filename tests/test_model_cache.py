@@ -91,6 +91,31 @@ def test_rounds_that_continue_an_adapter_in_the_kept_lora_train_what_a_cold_one_
     assert held.adapter_dir is not None and not same_training(first, held)  # it trained
 
 
+def test_rounds_on_a_trainer_built_ahead_train_what_a_cold_one_does(own_tiny: Path, tmp_path: Path) -> None:
+    """The warm child builds the next round's trainer after each round (trainer/round_trainer.py); a round takes it
+    when it asks for the same trainer, else releases it and builds its own. Dropout on: the random state counts."""
+    from flywheel.trainer import round_trainer
+
+    def after(tiny: Path, adapter: Path, out: Path, **overrides: Any) -> RoundResult:
+        args = GRPOArgs.tiny(max_steps=2, progress=False, lora_dropout=0.1, **overrides)
+        return train_round(tiny, groups_of(tiny), args, init_adapter=adapter, out_dir=out,
+                           optimizer_state=adapters.optimizer_state_of(adapter))
+
+    first = a_round(own_tiny, tmp_path / "1", lora_dropout=0.1)
+    assert first.adapter_dir is not None
+    assert round_trainer.prepare_next(first.adapter_dir)  # as a round like the first one, continuing it
+    taken = after(own_tiny, first.adapter_dir, tmp_path / "2")
+    assert taken.adapter_dir is not None and round_trainer.prepare_next(taken.adapter_dir)
+    refused = after(own_tiny, taken.adapter_dir, tmp_path / "3", seed=1)  # another trainer: built for the round
+    cold = [after(Path(shutil.copytree(own_tiny, tmp_path / name)), adapter, tmp_path / f"cold-{name}", **overrides)
+            for name, adapter, overrides in (("a", first.adapter_dir, {}), ("b", taken.adapter_dir, {"seed": 1}))]
+    assert [r.config["derived"]["trainer_prepared"] for r in (taken, refused, *cold)] == [True, False, False, False]
+    # the released trainer gave the kept layers back holding what the round before wrote
+    assert [r.config["derived"]["adapter_load"] for r in (taken, refused)] == ["held", "held"]
+    assert same_training(taken, cold[0]) and same_training(refused, cold[1])
+    assert not same_training(first, taken)  # it trained
+
+
 def test_files_replaced_under_the_path_the_kept_layers_were_saved_to_are_read(own_tiny: Path, tmp_path: Path) -> None:
     first = a_round(own_tiny, tmp_path / "1")
     second = a_round(own_tiny, tmp_path / "2", seed=1)  # the kept layers hold what it wrote to 2/

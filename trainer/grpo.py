@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from datetime import UTC, datetime
@@ -43,12 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.capture.batches import TrainingGroup
-from flywheel.trainer import adapters, model_cache
+from flywheel.trainer import adapters, model_cache, round_trainer
 from flywheel.trainer.grpo_args import GRPOArgs, RoundResult
 from flywheel.trainer.grpo_cli import parse_command, report
-from flywheel.trainer.sample_plan import CapturedRollout, GroupPlan, passthrough_reward, plan_groups
+from flywheel.trainer.sample_plan import CapturedRollout, GroupPlan, plan_groups
 from flywheel.trainer.samples import Sample, SampleBatch, Skipped, build_samples
-from flywheel.trainer.trl_adapter import captured_trainer_class
 
 
 def _utcnow() -> datetime:
@@ -64,62 +61,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     return str(value)
-
-
-def _target_modules(model: Any, spec: list[str] | str) -> list[str] | str:
-    """Resolve ``all-linear`` to the short names of the linear layers (``q_proj``, ...), lm_head excluded.
-
-    PEFT would resolve it itself, but writes full paths (``model.layers.0.mlp.up_proj``, in set
-    order) into adapter_config.json; short names are what vLLM and people expect to read there.
-    """
-    if spec != "all-linear":
-        return spec
-    import torch
-
-    output = model.get_output_embeddings()
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and module is not output}
-    return sorted(names)
-
-
-def _micro_batches(args: GRPOArgs, per_device: int, accumulation: int) -> dict[str, Any]:
-    if args.max_tokens_per_micro_batch is None:
-        return {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
-    # Under a token budget TRL's micro-batch is the whole step, which the trainer cuts into length-bucketed pieces:
-    # the same sequences per optimizer step, grouped by length across all of them instead of at random.
-    return {"per_device_train_batch_size": per_device * accumulation, "gradient_accumulation_steps": 1}
-
-
-def _generation_steps(args: GRPOArgs, micro_batches: int, accumulation: int) -> dict[str, Any]:
-    """TRL's steps_per_generation. Under the round's proximal policy the generation batch is the whole epoch, so every
-    sample's pi_prox is taken before the round's first optimizer step: the clip then bounds the round's move from its
-    start, not only each step's (with one step per generation batch a sample first trained in step k would have the
-    policy after k - 1 steps as its pi_prox, and a round of one epoch no clip at all)."""
-    if args.proximal_policy != "round":
-        return {}  # TRL's default: one optimizer step's micro-batches
-    per_step = 1 if args.max_tokens_per_micro_batch is not None else accumulation  # TRL's micro-batches a step
-    return {"steps_per_generation": per_step * (micro_batches // accumulation)}
-
-
-def _optimizer_param_names(trainer: Any) -> list[list[str]]:
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
-    return [[names.get(id(p), "?") for p in group["params"]] for group in trainer.optimizer.param_groups]
-
-
-def _load_optimizer_state(trainer: Any, path: str | Path | None) -> str:
-    """Create the optimizer now and load ``path`` into it when it was saved for the same parameters."""
-    if path is None or not Path(path).is_file():
-        return "fresh"
-    import torch
-
-    trainer.create_optimizer()
-    saved = model_cache.optimizer_state(path) or \
-        torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no code
-    if saved.get("param_names") != _optimizer_param_names(trainer):
-        warnings.warn(f"optimizer state {path} was saved for other parameters: starting fresh", stacklevel=2)
-        return "mismatch"
-    trainer.optimizer.load_state_dict(saved["optimizer"])
-    return "resumed"
 
 
 def _round_metrics(log_history: list[dict[str, Any]], global_step: int, batch: SampleBatch, plan: GroupPlan,
@@ -217,7 +158,6 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     trained; with nothing trainable the result has ``status="skipped"`` and no adapter.
     """
     import torch
-    import transformers
     from datasets import Dataset
 
     started_at = _utcnow()
@@ -259,56 +199,20 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps x world size "
                          f"({per_device} x {accumulation} x {world_size}) must be a multiple of the group size {g}")
 
-    # 3. the policy: base model + LoRA (fresh, or the alias's current adapter trained further)
-    from peft import LoraConfig
-    from trl import GRPOConfig
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    # kept from the last round, if any; the adapter's LoRA layers too when they have its configuration
-    loaded = model_cache.borrow(base, dtype) if init_adapter is None else \
-        model_cache.borrow_adapter(base, dtype, init_adapter)
-    config["derived"]["base_model_cached"] = loaded.cached
-    config["derived"]["adapter_load"] = loaded.adapter
-    transformers.set_seed(args.seed)  # after the load: a cold load draws random numbers (LoRA init), a kept one not
-    model: Any = loaded.model
-    peft_config = None
-    if init_adapter is None:
-        peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                 target_modules=_target_modules(model, args.lora_target_modules),
-                                 task_type="CAUSAL_LM")
-
+    # 3. the policy (base model + LoRA, fresh or the alias's current adapter trained further) and its trainer:
+    # built now, or built ahead by this process after its last round (round_trainer.prepare_next)
+    spec = round_trainer.TrainerSpec(
+        base, str(init_adapter) if init_adapter else None, str(optimizer_state) if optimizer_state else None, args,
+        g, per_device, accumulation, micro_batches, bf16, tf32, cuda)
     dataset = Dataset.from_list([{"prompt": group_id, "slot": i} for i, group_id in enumerate(plan.slot_group_ids)])
     rollout = CapturedRollout(batch.samples, plan)
-    with tempfile.TemporaryDirectory(prefix="flywheel-grpo-") as scratch:
-        trl_config = GRPOConfig(
-            output_dir=scratch, report_to="none", save_strategy="no", logging_steps=args.logging_steps,
-            disable_tqdm=not args.progress, seed=args.seed, bf16=bf16, tf32=tf32 or None, use_cpu=not cuda,
-            learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
-            warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-            max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
-            **_micro_batches(args, per_device, accumulation), **_generation_steps(args, micro_batches, accumulation),
-            activation_checkpointing=args.gradient_checkpointing,  # TRL's GRPOConfig defaults it to on
-            num_generations=g, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
-            loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
-            epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations,
-            scale_rewards=args.advantage_scale,
-            # A capture that hit max_tokens still says something about what the model did (and a random
-            # tiny model never emits eos at all): keep truncated completions in the loss.
-            mask_truncated_completions=False,
-            remove_unused_columns=False, dataloader_num_workers=0, log_completions=False,
-        )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
-            trainer = captured_trainer_class()(
-                model=model, reward_funcs=[passthrough_reward], args=trl_config, train_dataset=dataset,
-                processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
-                max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, proximal_policy=args.proximal_policy,
-                behaviour_weight_cap=args.behaviour_weight_cap, share_prompt_prefix=args.share_prompt_prefix)
-        if not args.progress:  # without a progress bar the HF Trainer prints every log dict instead
-            from transformers import PrinterCallback
-
-            trainer.remove_callback(PrinterCallback)
-        optimizer_status = _load_optimizer_state(trainer, optimizer_state)
+    built = round_trainer.take(spec, dataset, rollout) or round_trainer.build(spec, tokenizer, dataset, rollout)
+    trainer, trl_config, loaded = built.trainer, built.trl_config, built.loaded
+    config["derived"]["base_model_cached"] = loaded.cached
+    config["derived"]["adapter_load"] = loaded.adapter
+    config["derived"]["trainer_prepared"] = built.spec is not spec
+    try:
+        optimizer_status = built.optimizer_status
         out = Path(out_dir() if callable(out_dir) else out_dir)
 
         # 4. train
@@ -335,7 +239,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
             staging = adapters.staging_dir(out)
             try:
                 adapters.write_lora(policy, staging)  # the round's LoRA, not TRL's frozen "ref" copy
-                optimizer = {"param_names": _optimizer_param_names(trainer),
+                optimizer = {"param_names": round_trainer.optimizer_param_names(trainer),
                              "optimizer": trainer.optimizer.state_dict(), "global_step": trainer.state.global_step}
                 torch.save(optimizer, staging / adapters.OPTIMIZER_FILE)
                 adapters.write_round_file(staging, _round_record(result, groups, batch, plan, out))
@@ -346,6 +250,9 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         else:
             model_cache.give_back(policy)
         trainer.accelerator.wait_for_everyone()
+        round_trainer.finished(spec)
+    finally:
+        built.close()
     if args.progress:
         _print_summary(result)
     return result

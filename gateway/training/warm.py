@@ -28,11 +28,24 @@ def serve(where: Where, alias: str) -> None:
     os.dup2(2, 1)  # so what the round prints, from Python or C, joins stderr: the log
     for line in sys.stdin:
         if line.strip():
-            _write(replies, answer(where, alias, line))
+            reply = answer(where, alias, line)
+            _write(replies, reply)
             # accelerate runs a full collection in every train(); frozen, what this process keeps (torch's
             # modules, the kept model) is not walked again: 0.5 s a round on the tiny model (docs/benchmarks.md)
             gc.collect()
             gc.freeze()
+            if reply.summary is not None and reply.summary.adapter_path:
+                prepare(reply.summary.adapter_path)  # after the freeze: a trainer no round takes is collected
+
+
+def prepare(adapter_path: str) -> None:
+    """The next round's trainer, built while this process waits for that round (trainer/round_trainer.py)."""
+    from flywheel.trainer import round_trainer
+
+    try:
+        round_trainer.prepare_next(adapter_path)
+    except Exception:  # the next round builds its own
+        traceback.print_exc()
 
 
 def _write(replies: TextIO, reply: RoundReply) -> None:
