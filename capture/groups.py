@@ -27,10 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import or_
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
@@ -402,20 +402,32 @@ def branches(session: Session, members: list[GroupMemberRow], *, single_turn: bo
     leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
     if not leaves:
         return {}
-    known: dict[str, Turn] = {}
     wanted = col(Turn.id).in_(leaves) if single_turn else \
         col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
-    for turn in session.exec(select(Turn).where(wanted)):
-        known[turn.id] = turn
-    out: dict[str, list[Turn]] = {}
+    known = {turn.id: turn for turn in session.exec(select(Turn).where(wanted))}
+    return _paths(known, leaves, lambda turn_id: session.get(Turn, turn_id), single_turn)
+
+
+class _HasParent(Protocol):
+    id: str
+    parent_turn_id: str | None
+
+
+Node = TypeVar("Node", bound=_HasParent)
+
+
+def _paths(known: dict[str, Node], leaves: list[str], lookup: Callable[[str], Node | None],
+           single_turn: bool) -> dict[str, list[Node]]:
+    """Each leaf's root-to-leaf path through ``known`` turns, a turn outside them fetched with ``lookup``."""
+    out: dict[str, list[Node]] = {}
     for leaf in leaves:
-        path: list[Turn] = []
-        current = known.get(leaf) or session.get(Turn, leaf)
+        path: list[Node] = []
+        current = known.get(leaf) or lookup(leaf)
         while current is not None:
             path.append(current)
             if single_turn or current.parent_turn_id is None:
                 break
-            current = known.get(current.parent_turn_id) or session.get(Turn, current.parent_turn_id)
+            current = known.get(current.parent_turn_id) or lookup(current.parent_turn_id)
         out[leaf] = list(reversed(path))
     return out
 
@@ -464,21 +476,31 @@ def training_group(session: Session, group: Group) -> TrainingGroup:
     return training_groups(session, [group])[0]
 
 
+# What a trained turn needs, read as plain rows: a Turn entity hydrates and decodes ~40 columns (a batch's main cost).
+_TRAINED = tuple(col(column) for column in (
+    Turn.id, Turn.parent_turn_id, Turn.request_messages, Turn.response_message, Turn.tools, Turn.prompt_token_ids,
+    Turn.completion_token_ids, Turn.completion_logprobs, Turn.finish_reason, Turn.params, Turn.inclusion_logprob,
+    Turn.canary_pair))
+
+
 def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup]:
     """``training_group`` of each of ``groups``, read together: members, final rewards and branches in a fixed
     few queries for the whole batch, not a few per group and one per turn (about 40 ms a group on DuckDB)."""
     if not groups:
         return []
     ids = [group.id for group in groups]
-    members: dict[str, list[GroupMemberRow]] = {group_id: [] for group_id in ids}
-    for member in session.exec(select(GroupMemberRow).where(col(GroupMemberRow.group_id).in_(ids))):
+    members: dict[str, list[Any]] = {group_id: [] for group_id in ids}
+    for member in session.execute(sa_select(col(GroupMemberRow.group_id), col(GroupMemberRow.trajectory_id),
+                                            col(GroupMemberRow.leaf_turn_id))
+                                  .where(col(GroupMemberRow.group_id).in_(ids))):
         members[member.group_id].append(member)  # each group's in the order the store gives, as one group alone
     rewards: dict[str, dict[str, float]] = defaultdict(dict)
-    for score in session.exec(select(Score).where(col(Score.group_id).in_(ids), Score.source == "reward")
-                              .order_by(col(Score.created_at))):
+    for score in session.execute(sa_select(col(Score.group_id), col(Score.trajectory_id), col(Score.value))
+                                 .where(col(Score.group_id).in_(ids), col(Score.source) == "reward")
+                                 .order_by(col(Score.created_at))):
         rewards[score.group_id or ""][score.trajectory_id] = score.value  # the latest wins
-    paths = {fork: branches(session, [m for g in groups if (g.source == "fork") == fork for m in members[g.id]],
-                            single_turn=fork)
+    paths = {fork: _trained_paths(session, [m for g in groups if (g.source == "fork") == fork for m in members[g.id]],
+                                  single_turn=fork)
              for fork in (False, True)}  # apart: a forked turn's path is itself, the same leaf's elsewhere is not
     out: list[TrainingGroup] = []
     for group in groups:
@@ -490,7 +512,19 @@ def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup
     return out
 
 
-def _training_member(member: GroupMemberRow, turns: list[Turn], rewards: dict[str, float]) -> GroupMember:
+def _trained_paths(session: Session, members: list[Any], *, single_turn: bool) -> dict[str, list[Any]]:
+    """``branches`` as rows of the ``_TRAINED`` columns."""
+    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    if not leaves:
+        return {}
+    wanted = col(Turn.id).in_(leaves) if single_turn else \
+        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
+    known = {turn.id: turn for turn in session.execute(sa_select(*_TRAINED).where(wanted))}
+    return _paths(known, leaves, lambda turn_id: session.execute(
+        sa_select(*_TRAINED).where(col(Turn.id) == turn_id)).first(), single_turn)
+
+
+def _training_member(member: Any, turns: list[Any], rewards: dict[str, float]) -> GroupMember:
     return GroupMember(
         trajectory_id=member.trajectory_id, leaf_turn_id=member.leaf_turn_id,
         reward=rewards.get(member.trajectory_id, 0.0),

@@ -222,11 +222,13 @@ def check_vllm_compatible(path: str | Path, *, max_lora_rank: int = 16) -> None:
 
 def record_round(session: Session, result: RoundResult, *, alias: str, base_model: str,
                  version: int | None = None, parent_version: int | None = None, run_id: str | None = None,
+                 reserved: AdapterVersion | None = None,
                  commit: bool = True) -> tuple[TrainingRun, AdapterVersion | None]:
     """Write the ``training_runs`` row (and the ``adapter_versions`` row when an adapter was made).
 
     ``run_id`` names a run row created earlier (status ``running``) to finish; otherwise a new
-    row is added. The adapter row starts as ``candidate``: promotion is the gateway's business.
+    row is added. ``reserved`` is the version's row when the caller has read it already. The adapter
+    row starts as ``candidate``: promotion is the gateway's business.
     """
     from sqlmodel import select
 
@@ -239,8 +241,8 @@ def record_round(session: Session, result: RoundResult, *, alias: str, base_mode
             version = int(Path(result.adapter_dir).name)
         # The number was reserved before the round (the store hands out versions); fill that row in. Read before
         # the run row is added, which is then written once, whole (a read flushes what the session holds).
-        adapter = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                            AdapterVersion.version == version)).first()
+        adapter = reserved or session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                                        AdapterVersion.version == version)).first()
         if adapter is None:
             adapter = AdapterVersion(id=new_id("adv"), alias=alias, version=version, path=str(result.adapter_dir),
                                      base_model=base_model)

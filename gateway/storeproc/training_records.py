@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import update
+from sqlalchemy import case, update
 from sqlmodel import Session, col, select
 
 from flywheel.capture.batches import TrainingGroup
@@ -57,21 +57,22 @@ def record_training(store: Store, alias: str, result: Any, *, version: int, pare
     from flywheel.trainer.adapters import OPTIMIZER_FILE, is_complete, record_round
 
     with Session(store.engine, expire_on_commit=False) as session:
+        reserved = versions.get(session, alias, version)  # read once: the check, the record and a skipped round's
         if result.adapter_dir is not None:  # the files are where the gateway reserved them, whatever the report says
-            written = Path(versions.get(session, alias, version).path)
+            written = Path(reserved.path)
             if not is_complete(written):
                 raise versions.VersionError(f"{alias} version {version} has no adapter in its directory: write it "
                                             "there or upload it first (PUT /flywheel/v1/training/adapters/...)")
             result = replace(result, adapter_dir=written, optimizer_state=written / OPTIMIZER_FILE)
         _, adapter = record_round(session, result, alias=alias, base_model=result.base_model, version=version,
-                                  parent_version=parent_version, commit=False)
+                                  parent_version=parent_version, reserved=reserved, commit=False)
         trained = set(result.group_ids)
-        for status, settled in (("trained", trained), ("untrainable", set(batch_group_ids) - trained)):
-            if settled:  # one statement for the batch, not a read and a write per group; no Group is loaded here
-                session.execute(update(Group).where(col(Group.id).in_(settled), col(Group.status) == "scored")
-                                .values(status=status).execution_options(synchronize_session=False))
+        settled = set(batch_group_ids) | trained
+        if settled:  # one statement for the batch, not a read and a write per group; no Group is loaded here
+            session.execute(update(Group).where(col(Group.id).in_(settled), col(Group.status) == "scored")
+                            .values(status=case((col(Group.id).in_(trained), "trained"), else_="untrainable"))
+                            .execution_options(synchronize_session=False))
         if adapter is None:  # skipped: the number stays used, never reassigned
-            reserved = versions.get(session, alias, version)
             reserved.status, reserved.decided_at = "failed", utcnow()
             reserved.reason = f"nothing trainable: {result.skipped}"
             session.add(reserved)
