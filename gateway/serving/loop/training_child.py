@@ -85,8 +85,8 @@ class TrainingChild:
                 self.running.pop(alias, None)
             returncode = (0 if reply.ok else 1) if reply is not None else \
                 (child.process.returncode if child.process.returncode is not None else -9)
-            tail = child.log_path.read_bytes()[-4000:].decode(errors="replace")
-            return ChildResult(returncode, child.log_path, tail, timed_out, reply, time.perf_counter() - started)
+            return ChildResult(returncode, child.log_path, _tail(child.log_path), timed_out, reply,
+                               time.perf_counter() - started)
 
     async def _start(self, alias: str) -> _Child:
         logs = self.settings.data_dir / "logs"
@@ -145,3 +145,10 @@ def _reply(line: bytes) -> RoundReply | None:
         return RoundReply.model_validate_json(line)
     except ValidationError:
         return None
+
+
+def _tail(path: Path, size: int = 4000) -> str:
+    """The last ``size`` bytes of a child's log: it grows with every round the child serves."""
+    with path.open("rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - size))
+        return log.read().decode(errors="replace")
