@@ -31,6 +31,8 @@ against the policy that actually sampled, and the loss is ``grpo_loss``), and th
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
@@ -157,6 +159,7 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     beside that adapter) resumes AdamW's moments. Writes ``out_dir`` only when something was
     trained; with nothing trainable the result has ``status="skipped"`` and no adapter.
     """
+    import pyarrow
     import torch
     from datasets import Dataset
 
@@ -204,7 +207,9 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
     spec = round_trainer.TrainerSpec(
         base, str(init_adapter) if init_adapter else None, str(optimizer_state) if optimizer_state else None, args,
         g, per_device, accumulation, micro_batches, bf16, tf32, cuda)
-    dataset = Dataset.from_list([{"prompt": group_id, "slot": i} for i, group_id in enumerate(plan.slot_group_ids)])
+    slots = {"prompt": list(plan.slot_group_ids), "slot": list(range(len(plan.slot_group_ids)))}
+    # fingerprinted from the slots: datasets would otherwise hash the table by pickling it, most of its cost here
+    dataset = Dataset(pyarrow.table(slots), fingerprint=hashlib.sha256(json.dumps(slots).encode()).hexdigest()[:16])
     rollout = CapturedRollout(batch.samples, plan)
     built = round_trainer.take(spec, dataset, rollout) or round_trainer.build(spec, tokenizer, dataset, rollout)
     trainer, trl_config, loaded = built.trainer, built.trl_config, built.loaded
