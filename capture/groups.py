@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from sqlalchemy import or_
+from sqlalchemy import ColumnElement, or_
 from sqlalchemy import select as sa_select  # sqlmodel's select types at most four columns
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
@@ -399,13 +399,20 @@ def branch_turns(session: Session, leaf_turn_id: str, *, single_turn: bool = Fal
 def branches(session: Session, members: list[GroupMemberRow], *, single_turn: bool = False) -> dict[str, list[Turn]]:
     """``branch_turns`` of many members at once (by leaf turn id): their trajectories' turns in one query, a parent
     outside them looked up by itself."""
-    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    leaves, wanted = _branch_turns(members, single_turn)
     if not leaves:
         return {}
-    wanted = col(Turn.id).in_(leaves) if single_turn else \
-        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
     known = {turn.id: turn for turn in session.exec(select(Turn).where(wanted))}
     return _paths(known, leaves, lambda turn_id: session.get(Turn, turn_id), single_turn)
+
+
+def _branch_turns(members: Sequence[Any], single_turn: bool) -> tuple[list[str], ColumnElement[bool]]:
+    """The members' leaf turn ids, and which turns their branches are read from: the leaves themselves (a
+    single-turn branch) or every turn of their trajectories."""
+    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    wanted = col(Turn.id).in_(leaves) if single_turn else \
+        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
+    return leaves, wanted
 
 
 class _HasParent(Protocol):
@@ -514,11 +521,9 @@ def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup
 
 def _trained_paths(session: Session, members: list[Any], *, single_turn: bool) -> dict[str, list[Any]]:
     """``branches`` as rows of the ``_TRAINED`` columns."""
-    leaves = [m.leaf_turn_id for m in members if m.leaf_turn_id is not None]
+    leaves, wanted = _branch_turns(members, single_turn)
     if not leaves:
         return {}
-    wanted = col(Turn.id).in_(leaves) if single_turn else \
-        col(Turn.trajectory_id).in_([m.trajectory_id for m in members])
     known = {turn.id: turn for turn in session.execute(sa_select(*_TRAINED).where(wanted))}
     return _paths(known, leaves, lambda turn_id: session.execute(
         sa_select(*_TRAINED).where(col(Turn.id) == turn_id)).first(), single_turn)
