@@ -490,7 +490,15 @@ _TRAINED = tuple(col(column) for column in (
     Turn.canary_pair))
 
 
-def training_groups(session: Session, groups: list[Group]) -> list[TrainingGroup]:
+class GroupKey(Protocol):
+    """What ``training_groups`` reads of a group: a :class:`Group`, or a row of these columns."""
+
+    id: str
+    source: str
+    alias: str
+
+
+def training_groups(session: Session, groups: Sequence[GroupKey]) -> list[TrainingGroup]:
     """``training_group`` of each of ``groups``, read together: members, final rewards and branches in a fixed
     few queries for the whole batch, not a few per group and one per turn (about 40 ms a group on DuckDB)."""
     if not groups:

@@ -13,6 +13,7 @@ a newer one is refused with a clear message, and nothing is ever dropped or rewr
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-from orjson import dumps
+from orjson import JSONDecodeError, dumps, loads
 from sqlalchemy import JSON, Connection, Engine, bindparam, insert, inspect, text, update
 from sqlalchemy.dialects import registry
 from sqlalchemy.engine import make_url
@@ -169,7 +170,8 @@ class Store:
             Path(self.url.removeprefix("duckdb:///")).parent.mkdir(parents=True, exist_ok=True)
         # One JSON text form for every writer (ORM, Core, the Arrow bulk path): compact orjson.
         self.engine: Engine = create_engine(_engine_url(self.url), json_serializer=_json_text,
-                                            connect_args=_connect_args(self.url), **_engine_options(self.url))
+                                            json_deserializer=_json_value, connect_args=_connect_args(self.url),
+                                            **_engine_options(self.url))
         self.shared = self.engine.dialect.name == "postgresql"  # several processes (replicas) write it
         self.stamps = WriteStamps(self.engine)  # what this process committed, per table (kept reads check it)
         self._local_locks: dict[str, threading.Lock] = {}  # exclusive() where one process owns the store
@@ -468,3 +470,11 @@ def _duckdb_connection(session: Session) -> Any:
 
 def _json_text(value: Any) -> str | None:
     return None if value is None else dumps(value).decode()
+
+
+def _json_value(text: str) -> Any:
+    """A JSON column's value: orjson reads the store's JSON several times faster than the standard library."""
+    try:
+        return loads(text)
+    except JSONDecodeError:  # what orjson refuses and json takes (NaN from an older writer, nesting past 1024)
+        return json.loads(text)

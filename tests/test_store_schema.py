@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,27 @@ def test_the_tail_link_migration_keeps_every_row_and_links_what_comes_next(tmp_p
     with duckdb.connect(str(path), read_only=True) as connection:
         indexes = {row[0] for row in connection.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
     assert {"ix_turns_h_answer", "ix_trajectories_parent_trajectory_id"} <= indexes  # as a new store has them
+
+
+def test_json_columns_read_back_what_any_writer_stored(tmp_path: Path) -> None:
+    """The store reads JSON with orjson and falls back to the standard library for text orjson refuses (NaN, as
+    an older writer's ``json.dumps`` wrote it)."""
+    path = tmp_path / "s.duckdb"
+    store = Store(path)
+    try:
+        with store.session() as session:
+            for version in (1, 2):
+                session.add(AdapterVersion(id=f"adv-{version}", alias="a", version=version, path=f"/v/{version}",
+                                           base_model="m", metrics={"steps": 3, "loss": 0.25, "tags": ["x", None]}))
+            session.commit()
+        with store.engine.connect() as connection:
+            raw = connection.connection.dbapi_connection
+            assert raw is not None
+            raw.execute("""UPDATE adapter_versions SET metrics = '{"loss": NaN, "steps": 3}' WHERE id = 'adv-2'""")
+        with store.session() as session:
+            by_id = {row.id: row.metrics for row in session.exec(select(AdapterVersion))}
+        assert by_id["adv-1"] == {"steps": 3, "loss": 0.25, "tags": ["x", None]}
+        older = by_id["adv-2"]
+        assert older is not None and older["steps"] == 3 and math.isnan(older["loss"])
+    finally:
+        store.close()

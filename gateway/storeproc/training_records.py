@@ -33,13 +33,14 @@ def training_batch(store: Store, alias: str, max_groups: int, group_ids: list[st
                    order: Literal["newest", "oldest"] = "newest") -> list[TrainingGroup]:
     """Up to ``max_groups`` scored groups of ``alias`` not trained on yet — the newest or the oldest of them
     (``train.batch_order``) — in the order they were formed (only ``group_ids`` when given)."""
+    formed = col(Group.created_at)
+    query = (select(col(Group.id), col(Group.source), col(Group.alias), formed)  # rows: no entity is hydrated
+             .where(col(Group.alias) == alias, col(Group.status) == "scored"))
+    if group_ids is not None:
+        query = query.where(col(Group.id).in_(group_ids))
     with store.session() as session:
-        query = select(Group).where(Group.alias == alias, Group.status == "scored")
-        if group_ids is not None:
-            query = query.where(col(Group.id).in_(group_ids))
-        formed = col(Group.created_at)
-        groups = list(session.exec(query.order_by(formed.desc() if order == "newest" else formed)
-                                   .limit(max_groups)).all())
+        groups = list(session.execute(query.order_by(formed.desc() if order == "newest" else formed)
+                                      .limit(max_groups)).all())
         groups.sort(key=lambda group: group.created_at)
         return training_groups(session, groups)
 
