@@ -80,7 +80,8 @@ def stored(database: str) -> tuple[list[Trajectory], list[Turn]]:
 async def test_conversations_alternating_between_replicas_are_rebuilt_whole(tmp_path: Path, upstream: ScriptedOpenAI,
                                                                           postgres_url: str) -> None:
     replicas = await asyncio.to_thread(start_replicas, tmp_path, upstream, postgres_url)
-    clients = [openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0) for r in replicas]
+    # A request unanswered for a minute fails the test with the replicas' logs (a CI run once hung here).
+    clients = [openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0, timeout=60.0) for r in replicas]
     conversations, turns_each = 40, 4
 
     async def conversation(index: int) -> list[str]:
@@ -96,7 +97,13 @@ async def test_conversations_alternating_between_replicas_are_rebuilt_whole(tmp_
                          {"role": "user", "content": f"traveller {index} turn {turn}"}]
         return ids
 
-    seen = await asyncio.gather(*(conversation(i) for i in range(conversations)))
+    try:
+        seen = await asyncio.gather(*(conversation(i) for i in range(conversations)))
+    except openai.APITimeoutError:
+        for replica in replicas:
+            await asyncio.to_thread(replica.stop)
+        logs = "\n".join(f"--- {r.log_file}:\n{r.log_file.read_text()[-6000:]}" for r in replicas)
+        raise AssertionError(f"a request went unanswered for 60 s; the replicas' logs:\n{logs}") from None
     for replica in replicas:
         await asyncio.to_thread(replica.stop)  # SIGTERM: each store process writes what it holds
     trajectories, turns = await asyncio.to_thread(stored, postgres_url)
