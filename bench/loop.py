@@ -9,14 +9,17 @@ One gateway (local engine, the tiny model taught one answer) serves a steady loa
 1. **idle**: ``idle_s`` seconds of load, nothing else running;
 2. **training**: one GRPO round through ``POST /flywheel/v1/aliases/{alias}/train`` (the loop's
    own path: a child process at nice 10 with one torch thread), on groups captured from this
-   traffic with random rewards, ``promote: true``; the load goes on, and the requests that finish
-   while the round runs are this phase's;
-3. **swaps**: ``swaps`` switches between the trained version and the base model under the same
+   traffic with random rewards, recorded a candidate (as the loop's rounds are); the load goes on;
+3. **promotion**: the candidate made to serve (``PUT /flywheel/v1/aliases/{alias}/adapter``: the
+   engine loads it, probes it, switches), what the loop's gate does after a round;
+4. **swaps**: ``swaps`` switches between the trained version and the base model under the same
    load; every failed request is counted (the target is 0).
 
-Printed: p50 and p99 latency per phase and their ratios (training / idle; target p99 <= 2x on
-2 cores), the round's length, the time from the round's end (its run's ``finished_at`` in the
-store) to the new version serving (its ``promoted_at``), and failed requests.
+A request belongs to the phase in which it finished: one the promotion held up is the promotion's,
+even if it started while the round trained. Printed: p50 and p99 latency per phase and their ratios
+(training / idle; target p99 <= 2x on 2 cores), the promotion's slowest request, the round's length,
+the time from the round's end (its run's ``finished_at`` in the store) to the new version serving
+(its ``promoted_at``), and failed requests.
 """
 
 from __future__ import annotations
@@ -94,13 +97,14 @@ class Load:
     async def _client(self, client: httpx.AsyncClient) -> None:
         body = {"model": "agent", "messages": QUESTION, "max_tokens": self.max_tokens, "temperature": 1.0}
         while not self._stop.is_set():
-            phase, started = self.phase, time.perf_counter()
+            started = time.perf_counter()
             try:
                 response = await client.post("/v1/chat/completions", json=body,
                                              headers={"X-Flywheel-Capture": "off"})
                 ok = response.status_code == 200
             except httpx.HTTPError:
                 ok = False
+            phase = self.phase  # where it finished: what held it up happened last
             if ok:
                 self.samples.setdefault(phase, []).append(time.perf_counter() - started)
             else:
@@ -173,11 +177,16 @@ enabled = false
             time.sleep(args.idle_s)
             load.phase = "training"
             started = time.perf_counter()
-            trained = httpx.post(f"{url}/flywheel/v1/aliases/agent/train", json={"promote": True}, timeout=3600)
-            serving_since = datetime.now(UTC)  # the route answers once the new version serves
+            trained = httpx.post(f"{url}/flywheel/v1/aliases/agent/train", json={}, timeout=3600)
             round_s = time.perf_counter() - started
-            assert trained.status_code == 200 and trained.json()["promoted"], trained.text
+            assert trained.status_code == 200 and trained.json()["version"], trained.text
             version = trained.json()["version"]
+            load.phase = "promotion"
+            started = time.perf_counter()
+            promoted = httpx.put(f"{url}/flywheel/v1/aliases/agent/adapter", json={"version": version}, timeout=300)
+            serving_since = datetime.now(UTC)  # the route answers once the new version serves
+            promotion_s = time.perf_counter() - started
+            assert promoted.status_code == 200, promoted.text
             load.phase = "swaps"
             for swap in range(args.swaps):
                 target = 0 if swap % 2 == 0 else version
@@ -191,11 +200,14 @@ enabled = false
             gateway.wait(timeout=120)
         swap_latency_s = _round_end_to_serving(root / "data" / "flywheel.duckdb", version, serving_since)
     idle, training = load.samples.get("idle", []), load.samples.get("training", [])
+    promotion = load.samples.get("promotion", [])
     result: dict[str, Any] = {
-        "args": asdict(args), "round_s": round_s, "round_end_to_serving_s": swap_latency_s,
+        "args": asdict(args), "round_s": round_s, "promotion_s": promotion_s,
+        "round_end_to_serving_s": swap_latency_s,
         "idle": {"n": len(idle), "p50_ms": 1000 * statistics.median(idle), "p99_ms": 1000 * percentile(idle, 0.99)},
         "training": {"n": len(training), "p50_ms": 1000 * statistics.median(training),
                      "p99_ms": 1000 * percentile(training, 0.99)},
+        "promotion": {"n": len(promotion), "max_ms": 1000 * max(promotion, default=float("nan"))},
         "failed": load.failures, "swaps": args.swaps, "requests_during_swaps": len(load.samples.get("swaps", [])),
     }
     result["p50_ratio"] = result["training"]["p50_ms"] / result["idle"]["p50_ms"]
@@ -203,7 +215,8 @@ enabled = false
     print(json.dumps(result, indent=2))
     print(f"p99 while training / idle: {result['p99_ratio']:.2f} (target <= 2.0: "
           f"{'met' if result['p99_ratio'] <= 2.0 else 'MISSED'}); p50 ratio {result['p50_ratio']:.2f}; "
-          f"round {round_s:.1f} s; round end -> serving {swap_latency_s:.2f} s; "
+          f"round {round_s:.1f} s; promotion {promotion_s:.2f} s, its slowest request "
+          f"{result['promotion']['max_ms']:.0f} ms; round end -> serving {swap_latency_s:.2f} s; "
           f"failed during {args.swaps} swaps: {load.failures.get('swaps', 0)} (target 0)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -135,6 +135,7 @@ def device_and_dtype(config: LocalEngineConfig) -> tuple[torch.device, torch.dty
 
 def load_runtime(config: LocalEngineConfig, data_dir: Path) -> Runtime:
     """Load the configured model and tokenizer (blocking: call it off the event loop)."""
+    import peft  # noqa: F401  (now, not at the first adapter load, whose import would stall every request's decoding)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = model_source(config, data_dir)
