@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
+from flywheel.capture.models import AdapterVersion
 from flywheel.capture.store import Store
 from flywheel.gateway.storeproc import versions
 
@@ -109,9 +110,16 @@ def test_the_versions_read_at_a_glance_are_those_of_the_single_queries(session: 
         assert rows["other"] == {"serving": None, "in_flight": None, "training": None, "waiting": None}
         return {key: row.version if row else None for key, row in rows["agent"].items()}
 
-    def single() -> dict[str, int | None]:
-        rows = {"serving": versions.serving(session, "agent"), "in_flight": versions.in_flight(session, "agent"),
-                "training": versions.training(session, "agent"), "waiting": versions.newest_candidate(session, "agent")}
+    def single() -> dict[str, int | None]:  # each asked on its own: the oracle
+        def first(*where: Any, newest: bool = False) -> AdapterVersion | None:
+            order = col(AdapterVersion.version).desc() if newest else col(AdapterVersion.version)
+            return session.exec(select(AdapterVersion).where(AdapterVersion.alias == "agent", *where)
+                                .order_by(order).limit(1)).first()
+
+        rows = {"serving": versions.serving(session, "agent"),
+                "in_flight": first(col(AdapterVersion.status).in_(versions.IN_FLIGHT)),
+                "training": first(AdapterVersion.status == "training"),
+                "waiting": first(AdapterVersion.status == "candidate", newest=True)}
         return {key: row.version if row else None for key, row in rows.items()}
 
     assert glance() == single() == {"serving": None, "in_flight": None, "training": None, "waiting": None}

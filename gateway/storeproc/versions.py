@@ -82,20 +82,14 @@ def serving(session: Session, alias: str) -> AdapterVersion | None:
                         .order_by(col(AdapterVersion.promoted_at).desc()).limit(1)).first()
 
 
-def in_flight(session: Session, alias: str) -> AdapterVersion | None:
-    """The version being trained, waiting for its gate, or on canary, if any (oldest first)."""
-    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                     col(AdapterVersion.status).in_(IN_FLIGHT))
-                        .order_by(col(AdapterVersion.version)).limit(1)).first()
-
-
 def _promoted_at(row: AdapterVersion) -> float:
     return row.promoted_at.timestamp() if row.promoted_at else -math.inf  # as ``serving``'s order: NULL last
 
 
 def at_a_glance(session: Session, aliases: list[str]) -> dict[str, dict[str, AdapterVersion | None]]:
-    """``serving``, ``in_flight``, ``training`` and ``newest_candidate`` of each alias, from one query: the loop's
-    ticks and the status poll read them several times a second."""
+    """Of each alias, from one query (the loop's ticks and the status poll read them several times a second):
+    ``serving``; ``in_flight``, the oldest version training, waiting for its gate or on canary; ``training``, the
+    one a round trains now; ``waiting``, the newest candidate waiting for its gate."""
     rows = session.exec(select(AdapterVersion).where(col(AdapterVersion.alias).in_(aliases),
                                                      col(AdapterVersion.status).in_(("promoted", *IN_FLIGHT)))).all()
     out: dict[str, dict[str, AdapterVersion | None]] = {}
@@ -161,19 +155,6 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
                                     and row.version not in cut and Path(row.path).is_dir())
     newest = next((row for row in reversed(above) if on_the_line[row.version]), None)
     return newest if newest is not None else current
-
-
-def newest_candidate(session: Session, alias: str) -> AdapterVersion | None:
-    """The newest version waiting for its gate, if any (while an older one is on canary)."""
-    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                     AdapterVersion.status == "candidate")
-                        .order_by(col(AdapterVersion.version).desc()).limit(1)).first()
-
-
-def training(session: Session, alias: str) -> AdapterVersion | None:
-    """The version a round is training now, if any (one round at a time)."""
-    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                     AdapterVersion.status == "training").limit(1)).first()
 
 
 def supersede(session: Session, alias: str, version: int) -> None:
