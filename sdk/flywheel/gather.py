@@ -44,7 +44,7 @@ async def gather_trajectory_groups(groups: Iterable[Awaitable[TrajectoryGroup]],
             return None
         if not counts_itself:
             for trajectory in group:
-                context.record(trajectory)
+                context.record(trajectory.reward, trajectory.metrics)
             context.advance(1)
         return group if after_each is None else await after_each(group)
 

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import openai
 from pydantic import BaseModel, PrivateAttr
@@ -20,14 +20,27 @@ from pydantic import BaseModel, PrivateAttr
 from flywheel.errors import NotRegisteredError
 from flywheel.tagging import install_tagging
 from flywheel.trajectories import Trajectory, TrajectoryGroup
-from flywheel.types import USE_DEFAULT, TrainConfig, TrainResult
-
-if TYPE_CHECKING:
-    from flywheel.backend import Gateway
+from flywheel.types import USE_DEFAULT, TrainConfig, TrainResult, UseDefault
 
 __all__ = ["Model", "TrainableModel"]
 
 _INFERENCE_TIMEOUT = openai.Timeout(1200.0, connect=5.0)  # long agent turns; openai's own type (3.x: httpx2)
+
+
+class Backend(Protocol):
+    """What a model asks of the backend it is registered with (``flywheel.Gateway``, ``LocalBackend``)."""
+
+    async def register(self, model: Model) -> None: ...
+
+    async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
+                    learning_rate: float | UseDefault = USE_DEFAULT, beta: float | UseDefault = USE_DEFAULT,
+                    _args: dict[str, Any] | None = None, verbose: bool = False) -> TrainResult: ...
+
+    async def _get_step(self, model: Model) -> int: ...
+
+    async def _log(self, model: Model, trajectory_groups: list[TrajectoryGroup], split: str) -> None: ...
+
+    async def _delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str) -> None: ...
 
 
 class Model(BaseModel):
@@ -40,19 +53,19 @@ class Model(BaseModel):
     inference_base_url: str | None = None
     inference_model_name: str | None = None
 
-    _backend: Gateway | None = PrivateAttr(default=None)
+    _backend: Backend | None = PrivateAttr(default=None)
     _openai_client: openai.AsyncOpenAI | None = PrivateAttr(default=None)
 
     @property
     def trainable(self) -> bool:
         return False
 
-    def backend(self) -> Gateway:
+    def backend(self) -> Backend:
         if self._backend is None:
             raise NotRegisteredError(f"model {self.name!r} is not registered: call `await model.register(backend)`")
         return self._backend
 
-    async def register(self, backend: Gateway) -> None:
+    async def register(self, backend: Backend) -> None:
         """Attach the backend (used by ``log``)."""
         self._backend = backend
 
@@ -97,7 +110,7 @@ class TrainableModel(Model):
     def trainable(self) -> bool:
         return True
 
-    async def register(self, backend: Gateway) -> None:
+    async def register(self, backend: Backend) -> None:
         """Prepare the backend to serve and train this model and point the inference fields at it."""
         await backend.register(self)
         self._backend = backend

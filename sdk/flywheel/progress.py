@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
-if TYPE_CHECKING:
-    from flywheel.trajectories import Trajectory
 
 
 @dataclass
@@ -33,8 +29,9 @@ class GatherContext:
     progress: Progress | None = None
     task: TaskID | None = None
 
-    def record(self, trajectory: Trajectory) -> None:
-        for name, value in {"reward": trajectory.reward, **trajectory.metrics}.items():
+    def record(self, reward: float, metrics: Mapping[str, float | int | bool]) -> None:
+        """Add a finished trajectory's reward and metrics to the running means."""
+        for name, value in {"reward": reward, **metrics}.items():
             self.sums[name] = self.sums.get(name, 0.0) + float(value)
             self.counts[name] += 1
 

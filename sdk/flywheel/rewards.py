@@ -29,7 +29,7 @@ log = logging.getLogger("flywheel")
 
 def _judge() -> ModuleType:
     try:
-        from flywheel import judge
+        import flywheel.judge as judge  # the subpackage itself, not this package's face
     except ImportError as exc:
         raise MissingExtraError("RULER runs the gateway's judge, which is not installed here: "
                                 "pip install 'flywheel-rl[gateway]'") from exc

@@ -202,7 +202,7 @@ class PendingGroup:
                     if trajectory.id is None and tags.requests:
                         trajectory.id = tags.trajectory_id
                     results[position[future]] = trajectory
-                    context.record(trajectory)
+                    context.record(trajectory.reward, trajectory.metrics)
                     context.advance(1)
         finally:
             for future in pending:
