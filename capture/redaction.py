@@ -14,16 +14,12 @@ e-mail address or a key is redacted the same way wherever it is written, so look
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
-
-if TYPE_CHECKING:
-    from flywheel.capture.turns import CapturedExchange
 
 # Each pattern starts with a character class, so re jumps between candidates in C (docs/capture.md)
 _EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
@@ -168,61 +164,6 @@ class Redactor:
 
 
 _CLEAN_KEYS_KEPT = 4096  # a client can send any keys: the memo stops growing here
-
-@dataclass(frozen=True)
-class RedactedExchange:
-    """A captured exchange with every text redacted, and which texts that the engine's tokens cover changed."""
-
-    exchange: CapturedExchange
-    prompt_changed: bool  # the request (what the prompt tokens were rendered from) changed
-    changed_choices: frozenset[int]  # positions in response["choices"] whose answer changed
-
-
-def redact_exchange(exchange: CapturedExchange, redactor: Redactor | None) -> RedactedExchange:
-    """Every string a turn row takes from ``exchange``, redacted: the whole request (messages, tools, params,
-    metadata, unknown fields: keys and values), each choice's answer, and the strings the client named
-    (model, trajectory, task, group). Token ids and logprobs are not text and are not walked; the ids the
-    gateway or the engine made (completion id, alias, engine model) are kept as they are."""
-    if redactor is None:
-        return RedactedExchange(exchange, False, frozenset())
-    request, response = exchange.request, exchange.response
-    redacted_request = redactor.json(request)
-    choices = response.get("choices") or []
-    redacted_choices = [_answer(choice, redactor) for choice in choices]
-    changed = frozenset(i for i, (new, old) in enumerate(zip(redacted_choices, choices, strict=True)) if new is not old)
-    def maybe(text: str | None) -> str | None:
-        return None if text is None else redactor.text(text)
-
-    out = copy.copy(exchange)  # not dataclasses.replace: it re-runs __init__ over every field
-    out.request, out.requested_model = redacted_request, redactor.text(exchange.requested_model)
-    out.response = {**response, "choices": redacted_choices} if changed else response
-    out.trajectory_id, out.task, out.group_id = maybe(exchange.trajectory_id), maybe(exchange.task), \
-        maybe(exchange.group_id)
-    return RedactedExchange(out, _prompt_changed(request, redacted_request), changed)
-
-
-def _prompt_changed(before: dict[str, Any], after: dict[str, Any]) -> bool:
-    """Whether redaction changed a request field the prompt may be rendered from (all but ``_NOT_PROMPT``)."""
-    if after is before:
-        return False
-    if any(key not in after for key in before):  # a top-level key was itself redacted
-        return True
-    return any(after[key] is not item for key, item in before.items() if key not in _NOT_PROMPT)
-
-
-# Never rendered into the prompt (vLLM passes unknown fields to the template): redacting these keeps the token ids
-_NOT_PROMPT = frozenset({"metadata", "user", "model"})
-
-
-def _answer(choice: Any, redactor: Redactor) -> Any:
-    """A choice with its answer (chat ``message``, legacy ``text``) redacted; its logprobs are not stored."""
-    if not isinstance(choice, dict):
-        return choice
-    key = "message" if "message" in choice else "text"
-    answer = choice.get(key)
-    redacted = redactor.json(answer)
-    return choice if redacted is answer else {**choice, key: redacted}
-
 
 class RedactingFilter(logging.Filter):
     """A log handler's filter: the message (percent-decoded), its arguments and any traceback are redacted before

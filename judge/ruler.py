@@ -36,18 +36,16 @@ import random
 import re
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from flywheel.capture.trajectory import Trajectory, TrajectoryGroup
 from flywheel.judge import rubric as prompts
 from flywheel.judge.rubric import DEFAULT_RUBRIC, PROMPT_VERSION, RubricConfig, rubric_hash
-
-if TYPE_CHECKING:
-    from flywheel.judge.cache import JudgeCache
 
 log = logging.getLogger("judge")
 
@@ -583,9 +581,20 @@ def group_cache_key(group: TrajectoryGroup, judge_model: str, rubric: str = DEFA
     return ruler_cache_key(group_candidates(group), judge_model, rubric, task, extra_litellm_params)
 
 
+class AnswerCache(Protocol):
+    """Where ``ruler_score_group`` keeps the judge's answers (``flywheel.judge.cache.JudgeCache``, on the store)."""
+
+    def claim(self, key: str) -> AbstractAsyncContextManager[None]: ...
+
+    def get(self, key: str) -> RulerResult | None: ...
+
+    def put(self, key: str, result: RulerResult, trajectory_ids: Sequence[str | None], group_id: str | None = None,
+            *, none_stored: bool = False) -> Any: ...
+
+
 async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o3", *,
                             rubric: str = DEFAULT_RUBRIC, task: str | None = None,
-                            swallow_exceptions: bool = False, cache: JudgeCache | None = None,
+                            swallow_exceptions: bool = False, cache: AnswerCache | None = None,
                             api_base: str | None = None, api_key: str | None = None, timeout_s: float = 120.0,
                             max_retries: int = 3, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
                             semaphore: asyncio.Semaphore | None = None,
