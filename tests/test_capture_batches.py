@@ -73,10 +73,13 @@ def test_feedback_rides_the_batch_that_writes_its_turn(tmp_path: Path) -> None:
 
 
 def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Path) -> None:
-    """Group formation and the idle close run every 0.2 s and the status is polled as often: none of them makes the
-    store process write the turns of the moment early (each did, one transaction per look)."""
+    """Group formation and the idle close run every 0.2 s, the status is polled as often and a trainer asks for its
+    batch: none of them makes the store process write the turns of the moment early (each did, one transaction
+    per look)."""
+    (tmp_path / "config.json").write_text("{}")  # the base weights a round would train: never read here
     with ScriptedOpenAI() as upstream:
-        gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 1.0\nidle_close_s = 0.8\n"
+        gateway = start_gateway(tmp_path, upstream, f'train_model = "{tmp_path}"\n'  # aliases.agent's
+                                                    "[capture]\nbatch_wait_s = 1.0\nidle_close_s = 0.8\n"
                                                     "[groups]\nform_every_s = 0.2\n")
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         batches = metric(gateway, "flywheel_capture_batches_total")
@@ -84,6 +87,8 @@ def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Pa
         for i in range(30):  # a request every 0.1 s for 3 s, the status read after each
             client.chat.completions.create(model="agent", messages=[{"role": "user", "content": f"t{i}"}])
             assert httpx.get(f"{gateway.url}/flywheel/v1/status", timeout=10).status_code == 200
+            batch = httpx.get(f"{gateway.url}/flywheel/v1/training/batch", params={"alias": "agent"}, timeout=10)
+            assert batch.status_code == 200 and batch.json()["groups"] == [], batch.text
             time.sleep(max(0.0, started + (i + 1) * 0.1 - time.monotonic()))
         written = metric(gateway, "flywheel_capture_batches_total") - batches
         elapsed = time.monotonic() - started

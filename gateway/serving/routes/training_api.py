@@ -12,6 +12,9 @@
     PUT  /flywheel/v1/training/adapters/{alias}/{version}  (tar body)       a reserved version's files, from a
                                                                             worker with no shared filesystem
 
+Every route reads and writes the store as it is: what the gateway answered a moment ago (turns still in
+the store process's batch) is nothing a round needs, and waiting for it made each call write that batch early.
+
 The archive is ``trainer/adapters.py: pack``'s: the PEFT adapter, its round file and optimizer state,
 nothing else (``unpack`` refuses any other member). An uploaded version lands in the directory the
 gateway reserved for it; a round report never names where its files are.
@@ -41,6 +44,7 @@ from flywheel.gateway.core.training_config import base_model_path, grpo_args
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop.promotion import promote_version
 from flywheel.gateway.serving.routes.admin import alias_info
+from flywheel.gateway.serving.store_client import as_it_is
 
 router = APIRouter(prefix="/flywheel/v1/training")
 
@@ -72,7 +76,8 @@ async def get_batch(request: Request) -> Response:
     if not raw.isdigit() or int(raw) < 1:
         raise BadRequest("Invalid value for 'max_groups': a positive integer", param="max_groups")
     group_ids = [g for g in (params.get("group_ids") or "").split(",") if g] or None
-    return json_response(await _batch(request, state, params.get("alias") or "", int(raw), group_ids))
+    with as_it_is():
+        return json_response(await _batch(request, state, params.get("alias") or "", int(raw), group_ids))
 
 
 async def _batch(request: Request, state: GatewayState, alias: str, max_groups: int,
@@ -114,12 +119,13 @@ async def reserve_version(request: Request) -> Response:
     """The next version number of an alias and the directory to write it into (status ``training``)."""
     state, body = await _admin_body(request, VersionRequest)
     served = state.router.get(body.alias)
-    head = await state.store.training_head(body.alias)
-    # never while another round of the alias trains, whichever process runs it; with workers, never while a
-    # version is in flight
-    return json_response(await state.store.reserve_version(body.alias, served.base_model,
-                                                           parent_version=head.version if head else None,
-                                                           alone=state.settings.train.workers, one_round=True))
+    with as_it_is():
+        head = await state.store.training_head(body.alias)
+        # never while another round of the alias trains, whichever process runs it; with workers, never while a
+        # version is in flight
+        return json_response(await state.store.reserve_version(body.alias, served.base_model,
+                                                               parent_version=head.version if head else None,
+                                                               alone=state.settings.train.workers, one_round=True))
 
 
 class RoundReport(BaseModel):
@@ -136,11 +142,13 @@ async def post_round(request: Request) -> Response:
     """Record a finished round (the version becomes a candidate); with ``promote``, serve it at once."""
     state, report = await _admin_body(request, RoundReport)
     served = state.router.get(report.alias)
-    adapter = await state.store.record_round(report.alias, report.version, report.parent_version,
-                                             promote=False,  # the store would promote without the engine: below
-                                             result=report.result, batch_group_ids=report.batch_group_ids)
-    if report.promote and adapter is not None:
-        served = await promote_version(state, report.alias, report.version, reason="promoted by hand (--promote)")
+    with as_it_is():
+        adapter = await state.store.record_round(report.alias, report.version, report.parent_version,
+                                                 promote=False,  # the store would promote without the engine: below
+                                                 result=report.result, batch_group_ids=report.batch_group_ids)
+        if report.promote and adapter is not None:
+            served = await promote_version(state, report.alias, report.version,
+                                           reason="promoted by hand (--promote)")
     return json_response({"adapter_version": adapter, "served": alias_info(served)})
 
 
@@ -156,15 +164,17 @@ async def post_failure(request: Request) -> Response:
     """A round that raised: its run is recorded failed, its groups stay for the next round."""
     state, report = await _admin_body(request, FailureReport)
     state.router.get(report.alias)
-    return json_response(await state.store.record_failed_round(report.alias, report.version, report.error,
-                                                               report.group_ids))
+    with as_it_is():
+        return json_response(await state.store.record_failed_round(report.alias, report.version, report.error,
+                                                                   report.group_ids))
 
 
 async def _version_row(request: Request, alias: str, version: int) -> tuple[GatewayState, Version]:
     state = GatewayState.of(request)
     state.auth.admin(request)
     state.router.get(alias)
-    rows = await state.store.versions(alias)
+    with as_it_is():
+        rows = await state.store.versions(alias)
     row = next((r for r in rows if r.version == version), None)
     if row is None:
         raise NotFound(f"{alias} has no version {version}.", param="version", code="version_not_found")
