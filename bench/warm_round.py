@@ -12,8 +12,10 @@ rounds run as the loop ran them before the child stayed up: ``flywheel train --g
 --json --threads 1``, one process per round (the baseline, measured in the same run).
 
 Printed per round: its wall time (the HTTP call, or the process, from outside), ``train()``'s
-time (TRL's train_runtime, ``charts/train_seconds``), the base model's load and their ratio
-wall / train(); the target is a warm round <= 1.25x its train() time.
+time (the whole ``trainer.train()`` call, ``charts/train_call_seconds``), the base model's load and
+their ratio wall / train(); the target is a warm round <= 1.25x its train() time. TRL's own
+``train_runtime`` (``charts/train_seconds``) starts after train() has built its dataloader and
+prepared the model; the ratio against it is printed beside.
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ def capture_groups(url: str, groups: int, max_tokens: int, rng: random.Random, t
 
 
 def row(kind: str, wall_s: float, metrics: dict[str, float]) -> dict[str, Any]:
-    train_s = metrics["charts/train_seconds"]
-    return {"kind": kind, "wall_s": wall_s, "train_s": train_s, "load_s": metrics.get("charts/model_load_seconds"),
-            "ratio": wall_s / train_s}
+    train_s, runtime_s = metrics["charts/train_call_seconds"], metrics["charts/train_seconds"]
+    return {"kind": kind, "wall_s": wall_s, "train_s": train_s, "runtime_s": runtime_s,
+            "load_s": metrics.get("charts/model_load_seconds"), "ratio": wall_s / train_s,
+            "runtime_ratio": wall_s / runtime_s}
 
 
 def warm_round(client: httpx.Client) -> tuple[float, dict[str, float]]:
@@ -150,17 +153,21 @@ enabled = false
         finally:
             gateway.terminate()
             gateway.wait(timeout=120)
-    warm = [r["ratio"] for r in rows[1:args.rounds]]
-    cold = [r["ratio"] for r in rows[args.rounds:]]
-    warm_median = statistics.median(warm) if warm else float("nan")
-    cold_median = statistics.median(cold) if cold else float("nan")
-    result = {"args": asdict(args), "rounds": rows, "warm_ratio_median": warm_median, "cold_ratio_median": cold_median}
+    def median(key: str, part: list[dict[str, Any]]) -> float:
+        return statistics.median(r[key] for r in part) if part else float("nan")
+
+    warm, cold = rows[1:args.rounds], rows[args.rounds:]
+    warm_median, cold_median = median("ratio", warm), median("ratio", cold)
+    result = {"args": asdict(args), "rounds": rows, "warm_ratio_median": warm_median, "cold_ratio_median": cold_median,
+              "warm_runtime_ratio_median": median("runtime_ratio", warm)}
     for r in rows:
-        print(f"{r['kind']:>24}: round {r['wall_s']:6.2f} s, train() {r['train_s']:6.2f} s, "
+        print(f"{r['kind']:>24}: round {r['wall_s']:6.2f} s, train() {r['train_s']:6.2f} s "
+              f"(train_runtime {r['runtime_s']:5.2f} s), "
               f"model load {r['load_s'] if r['load_s'] is not None else float('nan'):5.2f} s, "
-              f"ratio {r['ratio']:5.2f}")
+              f"ratio {r['ratio']:5.2f} ({r['runtime_ratio']:5.2f})")
     print(f"warm round / train(): median {warm_median:.2f} (target <= 1.25: "
-          f"{'met' if warm_median <= 1.25 else 'MISSED'}); a process per round: {cold_median:.2f}")
+          f"{'met' if warm_median <= 1.25 else 'MISSED'}; against train_runtime "
+          f"{result['warm_runtime_ratio_median']:.2f}); a process per round: {cold_median:.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -129,6 +129,7 @@ def test_a_round_changes_the_lora_weights_and_the_loss_is_finite(trained: Traine
     assert math.isfinite(result.metrics["losses/loss"]) and result.metrics["charts/steps"] == 4
     assert result.metrics["samples/groups_trained"] == 3 and result.metrics["samples/sequences"] == 12
     assert result.metrics["charts/tokens_per_s"] > 0
+    assert result.metrics["charts/train_call_seconds"] >= result.metrics["charts/train_seconds"] > 0  # setup too
 
 
 def test_trl_advantages_from_the_passthrough_rewards_equal_the_reference(trained: Trained) -> None:

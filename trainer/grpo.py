@@ -221,11 +221,14 @@ def train_round(base_model_path: str | Path, groups: list[TrainingGroup], args: 
         out = Path(out_dir() if callable(out_dir) else out_dir)
 
         # 4. train
+        train_started = time.perf_counter()
         trainer.train()
+        train_call_s = time.perf_counter() - train_started
 
         # 5. metrics, resolved config, provenance; then the adapter directory
         metrics, steps = _round_metrics(trainer.state.log_history, trainer.state.global_step, batch, plan, rollout,
                                         args)
+        metrics["charts/train_call_seconds"] = train_call_s  # train_seconds starts after train()'s own setup
         metrics.update(_padding_metrics(trainer))
         metrics["charts/optimizer_resumed"] = float(optimizer_status == "resumed")
         metrics["charts/model_load_seconds"] = loaded.seconds
