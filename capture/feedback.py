@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import insert, update
 from sqlmodel import Session, col, select
@@ -43,29 +44,36 @@ class FeedbackBatch:
     recorded: list[Recorded | None] = field(default_factory=list)
 
 
-def write_feedback(session: Session, items: Sequence[FeedbackItem]) -> list[Recorded | None]:
+_FEEDBACK = Feedback.__table__  # type: ignore[attr-defined]
+
+
+def write_feedback(session: Session, items: Sequence[FeedbackItem],
+                   written: Sequence[dict[str, Any]] = ()) -> list[Recorded | None]:
     """Find each item's trajectory, insert the feedback rows and close the trajectories, in the caller's
-    transaction (whose turns are visible here: a completion answered in this very batch is found)."""
+    transaction (whose turns are visible here: a completion answered in this very batch is found).
+    ``written``: the turns this transaction wrote (the batch's rows); a completion among them is matched
+    from them, without a query."""
     if not items:
         return []
     owners = _trajectory_owners(session, [i.trajectory_id for i in items if i.trajectory_id])
     by_completion = _completion_trajectories(session, [i.completion_id for i in items
-                                                       if i.completion_id and not i.trajectory_id])
+                                                       if i.completion_id and not i.trajectory_id], written)
     recorded: list[Recorded | None] = []
-    rows: list[Feedback] = []
+    rows: list[dict[str, Any]] = []  # the feedback table's columns, as plain rows: no ORM object per item
+    now = utcnow()
     for item in items:
         trajectory_id = _match(item, owners, by_completion)
         if trajectory_id is None:
             recorded.append(None)
             continue
-        row = Feedback(id=new_id("fb"), trajectory_id=trajectory_id, completion_id=item.completion_id,
-                       reward=item.reward, label=item.label, comment=item.comment, client_key_id=item.client_key_id)
-        rows.append(row)
-        recorded.append(Recorded(trajectory_id, row.id))
+        rows.append({"id": new_id("fb"), "trajectory_id": trajectory_id, "completion_id": item.completion_id,
+                     "reward": item.reward, "label": item.label, "comment": item.comment,
+                     "client_key_id": item.client_key_id, "created_at": now})
+        recorded.append(Recorded(trajectory_id, rows[-1]["id"]))
     if rows:
-        session.execute(insert(Feedback), [row.model_dump() for row in rows])
+        session.execute(insert(_FEEDBACK), rows)  # Core: the ORM's bulk insert adds nothing for plain rows
         note_rows(session.connection(), "feedback", rows)
-        close_trajectories(session, sorted({row.trajectory_id for row in rows}), "feedback")
+        close_trajectories(session, sorted({row["trajectory_id"] for row in rows}), "feedback")
     return recorded
 
 
@@ -93,16 +101,26 @@ def _trajectory_owners(session: Session, ids: list[str]) -> dict[str, str | None
     return {trajectory_id: key for trajectory_id, key in found}
 
 
-def _completion_trajectories(session: Session, ids: list[str]) -> dict[str, list[tuple[str, str | None]]]:
-    """Per completion id, the (trajectory, client key) of its client-facing turns, first choice first."""
+def _completion_trajectories(session: Session, ids: list[str], written: Sequence[dict[str, Any]]
+                             ) -> dict[str, list[tuple[str, str | None]]]:
+    """Per completion id, the (trajectory, client key) of its client-facing turns, first choice first: from the
+    turns just ``written`` when they hold it (a completion's choices are one exchange, written together), else
+    from the store."""
     if not ids:
         return {}
-    found = session.execute(select(Turn.completion_id, Turn.trajectory_id, Turn.client_key_id)
-                            .where(col(Turn.completion_id).in_(ids), col(Turn.source) != "fork")
-                            .order_by(col(Turn.choice_index)))
+    wanted = set(ids)
+    mine = sorted((t for t in written if t["completion_id"] in wanted and t["source"] != "fork"),
+                  key=lambda t: t["choice_index"])
     by_completion: dict[str, list[tuple[str, str | None]]] = {}
-    for completion_id, trajectory_id, key in found:
-        by_completion.setdefault(completion_id, []).append((trajectory_id, key))
+    for turn in mine:
+        by_completion.setdefault(turn["completion_id"], []).append((turn["trajectory_id"], turn["client_key_id"]))
+    stored = sorted(wanted - by_completion.keys())
+    if stored:
+        for completion_id, trajectory_id, key in session.execute(
+                select(Turn.completion_id, Turn.trajectory_id, Turn.client_key_id)
+                .where(col(Turn.completion_id).in_(stored), col(Turn.source) != "fork")
+                .order_by(col(Turn.choice_index))):
+            by_completion.setdefault(completion_id, []).append((trajectory_id, key))
     return by_completion
 
 

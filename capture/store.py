@@ -341,7 +341,7 @@ class Store:
             bulk_insert(session, Turn, linker.turns)
             bulk_insert(session, Trajectory, linker.new_trajectories())
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
-            recorded = write_feedback(session, feedback.items) if feedback is not None else []
+            recorded = write_feedback(session, feedback.items, linker.turns) if feedback is not None else []
             session.commit()
         return linker, held, recorded
 

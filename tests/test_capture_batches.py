@@ -14,12 +14,13 @@ from pathlib import Path
 
 import httpx
 import openai
-from sqlmodel import select
+from sqlmodel import col, select
 
-from flywheel.capture.feedback import FeedbackItem
-from flywheel.capture.models import Feedback, Trajectory
+from flywheel.capture.feedback import FeedbackBatch, FeedbackItem
+from flywheel.capture.models import Feedback, Trajectory, Turn, utcnow
 from flywheel.capture.recorder import Recorder, Spool
 from flywheel.capture.store import Store
+from flywheel.capture.turns import CapturedExchange, prepare_lines
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_capture import start_gateway
@@ -70,6 +71,32 @@ def test_feedback_rides_the_batch_that_writes_its_turn(tmp_path: Path) -> None:
         store.close()
     assert closed == dict.fromkeys(trajectory_ids, "feedback")
     assert rewards == [0.0, 0.25, 0.5, 0.75]
+
+
+def test_feedback_finds_its_completion_in_its_own_batch_or_in_the_store(store: Store) -> None:
+    """A completion named by feedback is its first choice's trajectory, for the client key that asked, whether the
+    batch carrying the feedback wrote its turns (matched from the batch's rows) or an earlier batch did (read)."""
+    two = CapturedExchange(
+        completion_id="chatcmpl-two", endpoint="chat.completions", requested_model="agent", alias="agent",
+        engine_model="agent", adapter_version=0, client_key_id="key_a",
+        request={"model": "agent", "messages": [{"role": "user", "content": "pick one"}], "n": 2},
+        response={"id": "chatcmpl-two", "object": "chat.completion", "created": 0, "model": "agent",
+                  "choices": [{"index": i, "message": {"role": "assistant", "content": f"choice {i}"},
+                               "finish_reason": "stop"} for i in (1, 0)]},  # the store orders them, not the list
+        created_at=utcnow(), latency_ms=1.0).to_line()
+    store.write_turns(prepare_lines([exchange(7)], None, None))
+    carried = FeedbackBatch([FeedbackItem(trajectory_id=None, completion_id="chatcmpl-two", reward=1.0,
+                                          client_key_id="key_a"),
+                             FeedbackItem(trajectory_id=None, completion_id="chatcmpl-two", reward=0.5,
+                                          client_key_id="key_b"),  # another client's completion: not found
+                             FeedbackItem(trajectory_id=None, completion_id="chatcmpl-7", reward=0.25)])
+    store.write_turns(prepare_lines([two], None, None), feedback=carried)
+    with store.session() as session:
+        owner = {(t.completion_id, t.choice_index): t.trajectory_id for t in session.exec(select(Turn))}
+        closed = {t.id for t in session.exec(select(Trajectory).where(col(Trajectory.status) == "closed"))}
+    assert [r.trajectory_id if r else None for r in carried.recorded] == \
+        [owner["chatcmpl-two", 0], None, owner["chatcmpl-7", 0]]
+    assert closed == {owner["chatcmpl-two", 0], owner["chatcmpl-7", 0]}
 
 
 def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Path) -> None:
