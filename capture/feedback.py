@@ -47,12 +47,12 @@ class FeedbackBatch:
 _FEEDBACK = Feedback.__table__  # type: ignore[attr-defined]
 
 
-def write_feedback(session: Session, items: Sequence[FeedbackItem],
-                   written: Sequence[dict[str, Any]] = ()) -> list[Recorded | None]:
+def write_feedback(session: Session, items: Sequence[FeedbackItem], written: Sequence[dict[str, Any]] = (), *,
+                   sub_agents: bool = True) -> list[Recorded | None]:
     """Find each item's trajectory, insert the feedback rows and close the trajectories, in the caller's
     transaction (whose turns are visible here: a completion answered in this very batch is found).
     ``written``: the turns this transaction wrote (the batch's rows); a completion among them is matched
-    from them, without a query."""
+    from them, without a query. ``sub_agents``: as for :func:`close_trajectories`."""
     if not items:
         return []
     owners = _trajectory_owners(session, [i.trajectory_id for i in items if i.trajectory_id])
@@ -73,24 +73,27 @@ def write_feedback(session: Session, items: Sequence[FeedbackItem],
     if rows:
         session.execute(insert(_FEEDBACK), rows)  # Core: the ORM's bulk insert adds nothing for plain rows
         note_rows(session.connection(), "feedback", rows)
-        close_trajectories(session, sorted({row["trajectory_id"] for row in rows}), "feedback")
+        close_trajectories(session, sorted({row["trajectory_id"] for row in rows}), "feedback", sub_agents=sub_agents)
     return recorded
 
 
-def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: str) -> None:
-    """Close these trajectories, and their sub-agents' still open (reason ``parent``): two set-based updates."""
+def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: str, *,
+                       sub_agents: bool = True) -> None:
+    """Close these trajectories, and their sub-agents' still open (reason ``parent``): two set-based updates, the
+    second only where the store may hold sub-agents at all (``sub_agents``: ``Store.sub_agents``)."""
     if not trajectory_ids:
         return
     now = utcnow()
     closed = [*session.execute(update(Trajectory)
                                .where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
                                .values(status="closed", closed_at=now, close_reason=reason)
-                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False)),
-              *session.execute(update(Trajectory)
-                               .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
-                                      col(Trajectory.status) == "open")
-                               .values(status="closed", closed_at=now, close_reason="parent")
                                .returning(col(Trajectory.id)).execution_options(synchronize_session=False))]
+    if sub_agents:
+        closed += session.execute(update(Trajectory)
+                                  .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
+                                         col(Trajectory.status) == "open")
+                                  .values(status="closed", closed_at=now, close_reason="parent")
+                                  .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
     WriteStamps.noted(session.connection(), CLOSED, (trajectory_id for trajectory_id, in closed))
 
 

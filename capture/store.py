@@ -177,12 +177,20 @@ class Store:
         self._local_locks: dict[str, threading.Lock] = {}  # exclusive() where one process owns the store
         try:
             self.migrate()
+            # Whether a closed trajectory may have sub-agents to close with it: set once one is written (only the
+            # linker starts them); on a shared store other replicas write them, so always.
+            self.sub_agents = self.shared or self._has_sub_agents()
         except BaseException:
             self.engine.dispose()  # release the file: a refused store must not stay open
             raise
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _has_sub_agents(self) -> bool:
+        with self.session() as session:
+            return session.exec(select(Trajectory.id).where(col(Trajectory.parent_trajectory_id).is_not(None))
+                                .limit(1)).first() is not None
 
     @contextmanager
     def exclusive(self, session: Session, name: str) -> Iterator[None]:
@@ -337,11 +345,14 @@ class Store:
                 else:
                     linker.link(item)
             linker.finish()
+            started = linker.new_trajectories()
+            self.sub_agents = self.sub_agents or any(t["parent_trajectory_id"] for t in started)
             # One multi-row INSERT per table, one UPDATE for the stored trajectories the batch continued.
             bulk_insert(session, Turn, linker.turns)
-            bulk_insert(session, Trajectory, linker.new_trajectories())
+            bulk_insert(session, Trajectory, started)
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
-            recorded = write_feedback(session, feedback.items, linker.turns) if feedback is not None else []
+            recorded = write_feedback(session, feedback.items, linker.turns, sub_agents=self.sub_agents) \
+                if feedback is not None else []
             session.commit()
         return linker, held, recorded
 
@@ -366,7 +377,7 @@ class Store:
         is over."""
         def write() -> None:
             with self.session() as session:
-                close_trajectories(session, [trajectory_id], reason)
+                close_trajectories(session, [trajectory_id], reason, sub_agents=self.sub_agents)
                 session.commit()
         retry_on_conflict(write)
 

@@ -11,9 +11,11 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+from sqlalchemy import event
 from sqlmodel import col, select
 
 from flywheel.capture.feedback import FeedbackBatch, FeedbackItem
@@ -97,6 +99,45 @@ def test_feedback_finds_its_completion_in_its_own_batch_or_in_the_store(store: S
     assert [r.trajectory_id if r else None for r in carried.recorded] == \
         [owner["chatcmpl-two", 0], None, owner["chatcmpl-7", 0]]
     assert closed == {owner["chatcmpl-two", 0], owner["chatcmpl-7", 0]}
+
+
+def test_closing_looks_for_sub_agents_once_a_store_holds_one_and_after_it_is_opened_again(store: Store) -> None:
+    """Feedback closes a trajectory and its open sub-agents. A DuckDB store that never held a sub-agent skips
+    their UPDATE; one that holds one, written by this store or found when it is opened, closes them."""
+    updates: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("UPDATE trajectories SET status"):
+            updates.append(statement)
+
+    def close(target: Store, completion_id: str) -> None:
+        carried = FeedbackBatch([FeedbackItem(trajectory_id=None, completion_id=completion_id, reward=1.0)])
+        target.write_turns([], feedback=carried)
+        assert carried.recorded[0] is not None
+
+    def trajectory_of(target: Store, completion_id: str) -> Trajectory:
+        with target.session() as session:
+            turn = session.exec(select(Turn).where(col(Turn.completion_id) == completion_id)).one()
+            return session.exec(select(Trajectory).where(col(Trajectory.id) == turn.trajectory_id)).one()
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    store.write_turns(prepare_lines([exchange(1), exchange(2)], None, None))
+    close(store, "chatcmpl-1")
+    assert len(updates) == (2 if store.shared else 1)  # no sub-agent anywhere: no search for one
+    parent = trajectory_of(store, "chatcmpl-2")
+    sub_agent = CapturedExchange.from_line(exchange(3))
+    sub_agent.parent_trajectory_id = parent.id
+    store.write_turns(prepare_lines([sub_agent.to_line()], None, None))
+    assert store.sub_agents and trajectory_of(store, "chatcmpl-3").parent_trajectory_id == parent.id
+    store.close()
+    again = Store(store.url)  # what the file holds decides, not what the last process saw
+    try:
+        assert again.sub_agents
+        close(again, "chatcmpl-2")
+        child = trajectory_of(again, "chatcmpl-3")
+        assert (child.status, child.close_reason) == ("closed", "parent")
+    finally:
+        again.close()
 
 
 def test_the_loop_jobs_and_a_polled_status_do_not_cut_batches_short(tmp_path: Path) -> None:
