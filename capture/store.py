@@ -423,7 +423,10 @@ def bulk_insert(session: Session, model: type[SQLModel], rows: list[dict[str, An
         session.execute(insert(table), rows)
         return
     connection = _duckdb_connection(session)
-    stored = connection.table(table.name).columns  # insert_into is positional: the file's own column order
+    # insert_into is positional: the file's own column order, read once per connection (the schema changes only
+    # when a store is opened, before any connection of its pool writes)
+    known: dict[str, list[str]] = session.connection().connection.info.setdefault("flywheel_columns", {})
+    stored = known.get(table.name) or known.setdefault(table.name, connection.table(table.name).columns)
     connection.from_arrow(_arrow_table(table, rows, stored)).insert_into(table.name)
     WriteStamps.wrote(session.connection(), table.name)  # DuckDB's relation API bypasses SQLAlchemy's events
 
