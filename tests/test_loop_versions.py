@@ -181,6 +181,8 @@ alpha = 0.05
 pair_wait_s = 0.5  # every conversation here is a new task: its reward is paired in arrival order after 0.5 s
 [loop.monitor]
 alpha = 0.05
+[capture]
+batch_wait_s = 0.05  # feedback is answered once its batch commits: every conversation here waits for one
 """
 
 
@@ -319,6 +321,8 @@ offline = false
 [loop.canary]
 fraction = 0.5
 pair_wait_s = inf  # same-context pairs only: a reward whose task never gets the other version never counts
+[capture]
+batch_wait_s = 0.05
 """
 TASKS = {"reset my password": 0.0, "refund order 17": 0.2, "change my address": 0.45, "cancel my plan": 0.65}
 

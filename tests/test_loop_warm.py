@@ -19,6 +19,7 @@ from tests.test_loop_faults import training_children, versions
 from tests.waiting import wait_for
 
 QUESTION = [{"role": "user", "content": "Who are you?"}]
+JUDGE_OFF = "[judge]\nenabled = false\n[capture]\nbatch_wait_s = 0.05\n"  # feedback is answered once its batch commits
 
 
 def capture_group(gateway: GatewayProcess, group_id: str) -> None:
@@ -44,7 +45,7 @@ def train(gateway: GatewayProcess) -> dict[str, Any]:
 
 
 def test_two_rounds_run_in_one_child_and_the_second_keeps_the_base_model(tmp_path: Path, tiny_model: Path) -> None:
-    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, "[judge]\nenabled = false\n")).start()
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, JUDGE_OFF)).start()
     try:
         rounds, pids = [], []
         for n in range(2):
@@ -69,7 +70,7 @@ def test_two_rounds_run_in_one_child_and_the_second_keeps_the_base_model(tmp_pat
 
 
 def test_a_round_asked_while_one_runs_is_refused_at_once(tmp_path: Path, tiny_model: Path) -> None:
-    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, "[judge]\nenabled = false\n")).start()
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, JUDGE_OFF)).start()
     try:
         capture_group(gateway, "g0")
         score(gateway)
@@ -85,9 +86,7 @@ def test_a_round_asked_while_one_runs_is_refused_at_once(tmp_path: Path, tiny_mo
 
 def test_a_child_killed_mid_round_is_recorded_failed_and_the_next_round_starts_a_fresh_one(
         tmp_path: Path, tiny_model: Path) -> None:
-    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, """
-[judge]
-enabled = false
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, JUDGE_OFF + """
 [groups]
 form_every_s = 0.5
 [loop]
