@@ -170,6 +170,8 @@ def test_a_version_the_engine_does_not_list_is_never_switched_to(tmp_path: Path,
     gateway.stop()
 
 
+# Feedback is answered once its batch commits: a test posting it every conversation waits for one each time.
+QUICK_FEEDBACK = "[capture]\nbatch_wait_s = 0.05\n"
 CANARY = """
 [loop]
 tick_s = 0.3
@@ -181,9 +183,7 @@ alpha = 0.05
 pair_wait_s = 0.5  # every conversation here is a new task: its reward is paired in arrival order after 0.5 s
 [loop.monitor]
 alpha = 0.05
-[capture]
-batch_wait_s = 0.05  # feedback is answered once its batch commits: every conversation here waits for one
-"""
+""" + QUICK_FEEDBACK
 
 
 def converse(client: openai.OpenAI, gateway: GatewayProcess, turns: int, reward_of: Callable[[str], float]
@@ -321,9 +321,7 @@ offline = false
 [loop.canary]
 fraction = 0.5
 pair_wait_s = inf  # same-context pairs only: a reward whose task never gets the other version never counts
-[capture]
-batch_wait_s = 0.05
-"""
+""" + QUICK_FEEDBACK
 TASKS = {"reset my password": 0.0, "refund order 17": 0.2, "change my address": 0.45, "cancel my plan": 0.65}
 
 

@@ -16,10 +16,11 @@ import psutil
 from tests.gateway_process import GatewayProcess
 from tests.support import tiny_loop_config
 from tests.test_loop_faults import training_children, versions
+from tests.test_loop_versions import QUICK_FEEDBACK
 from tests.waiting import wait_for
 
 QUESTION = [{"role": "user", "content": "Who are you?"}]
-JUDGE_OFF = "[judge]\nenabled = false\n[capture]\nbatch_wait_s = 0.05\n"  # feedback is answered once its batch commits
+JUDGE_OFF = "[judge]\nenabled = false\n" + QUICK_FEEDBACK
 
 
 def capture_group(gateway: GatewayProcess, group_id: str) -> None:
