@@ -13,7 +13,7 @@ from sqlmodel import Session, col, select
 
 from flywheel.capture.models import Feedback, Trajectory, Turn, utcnow
 from flywheel.capture.turns import new_id
-from flywheel.capture.write_stamps import CLOSED, WriteStamps, note_rows
+from flywheel.capture.write_stamps import note_closed, note_rows
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,18 @@ def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: 
     if not trajectory_ids:
         return
     now = utcnow()
-    closed = [*session.execute(update(Trajectory)
-                               .where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
-                               .values(status="closed", closed_at=now, close_reason=reason)
-                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False))]
+    closed = session.execute(update(Trajectory)
+                             .where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
+                             .values(status="closed", closed_at=now, close_reason=reason)
+                             .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
+    note_closed(session.connection(), (trajectory_id for trajectory_id, in closed), reason)
     if sub_agents:
-        closed += session.execute(update(Trajectory)
-                                  .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
-                                         col(Trajectory.status) == "open")
-                                  .values(status="closed", closed_at=now, close_reason="parent")
-                                  .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
-    WriteStamps.noted(session.connection(), CLOSED, (trajectory_id for trajectory_id, in closed))
+        closed = session.execute(update(Trajectory)
+                                 .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
+                                        col(Trajectory.status) == "open")
+                                 .values(status="closed", closed_at=now, close_reason="parent")
+                                 .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
+        note_closed(session.connection(), (trajectory_id for trajectory_id, in closed), "parent")
 
 
 def _trajectory_owners(session: Session, ids: list[str]) -> dict[str, str | None]:

@@ -36,7 +36,7 @@ from flywheel.capture.feedback import FeedbackBatch, Recorded, close_trajectorie
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
-from flywheel.capture.write_stamps import CLOSED, WriteStamps, note_rows
+from flywheel.capture.write_stamps import WriteStamps, note_closed, note_rows, row_facts
 
 log = logging.getLogger("flywheel.store")
 
@@ -368,7 +368,7 @@ class Store:
                                      .values(status="closed", closed_at=now, close_reason="idle")
                                      .returning(col(Trajectory.id))
                                      .execution_options(synchronize_session=False)).all()
-            WriteStamps.noted(session.connection(), CLOSED, (trajectory_id for trajectory_id, in closed))
+            note_closed(session.connection(), (trajectory_id for trajectory_id, in closed), "idle")
             session.commit()
             return len(closed)
 
@@ -437,6 +437,7 @@ def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, An
     if not rows:
         return
     table = model.__table__  # type: ignore[attr-defined]
+    WriteStamps.noted_facts(session.connection(), row_facts(table.name, rows, inserted=False))
     if session.get_bind().dialect.name != "duckdb":
         # Bind names must differ from the column names SQLAlchemy reserves for the SET clause.
         values: dict[str, Any] = {c: bindparam(f"_{c}") for c in columns}

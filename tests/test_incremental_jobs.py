@@ -17,8 +17,9 @@ from sqlmodel import Session, select
 
 from flywheel.capture.feedback import FeedbackItem, close_trajectories, write_feedback
 from flywheel.capture.groups import GroupingRules, Waiting, form_groups
+from flywheel.capture.linker import TOUCHED_COLUMNS
 from flywheel.capture.models import Feedback, Group, GroupMember, JobRun, Score, Trajectory, Turn, utcnow
-from flywheel.capture.store import Store, bulk_insert
+from flywheel.capture.store import Store, bulk_insert, bulk_update
 from flywheel.capture.turns import new_id
 from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED
 from flywheel.gateway.core.config import Settings
@@ -319,3 +320,116 @@ def test_the_idle_close_closes_only_open_trajectories_quiet_for_idle_s(store: St
     with store.session() as session:
         rows = {t.id: (t.status, t.close_reason) for t in session.exec(select(Trajectory))}
     assert rows == {"done": ("closed", "idle"), "quiet": ("closed", "idle"), "busy": ("open", None)}
+
+
+def trajectory(store: Store, trajectory_id: str, alias: str, versions: list[int], *, closed_by: str | None,
+               forked_versions: tuple[int, ...] = ()) -> None:
+    """A trajectory of ``alias`` as capture writes it (bulk rows, turns before their trajectory): a turn per
+    version, forked turns beside them; open, or closed for ``closed_by``."""
+    now = utcnow()
+    turns = [Turn(id=f"turn_{trajectory_id}_{n}", trajectory_id=trajectory_id, completion_id=f"c_{trajectory_id}_{n}",
+                  requested_model=alias, alias=alias, engine_model="m", h_ctx="x", h_out=f"o{n}", task_key="t",
+                  adapter_version=version, source="fork" if n >= len(versions) else "client", created_at=now)
+             for n, version in enumerate([*versions, *forked_versions])]
+    with store.session() as session:
+        bulk_insert(session, Turn, [turn.model_dump() for turn in turns])
+        bulk_insert(session, Trajectory, [Trajectory(
+            id=trajectory_id, alias=alias, status="open" if closed_by is None else "closed", task_key="t",
+            created_at=now, updated_at=now, closed_at=None if closed_by is None else now, close_reason=closed_by,
+            turn_count=len(turns), latest_turn_id=turns[-1].id).model_dump()])
+        session.commit()
+
+
+@ONE_WRITER
+def test_rewards_per_version_from_what_writes_said_equal_a_recomputation_through_every_write(store: Store) -> None:
+    """Random writes through the store's own write paths (capture's bulk rows, feedback that closes, the idle
+    close, final rewards written late with earlier times, a continued trajectory reopened, an ORM update of a
+    score, another alias, forks, mixed versions): after each one the sums kept from what the writes said answer
+    what a recomputation from every stored trajectory answers; trajectories written after the first call are
+    answered without reading the store."""
+    rng = Random(23)
+    trajectory(store, "old_closed", "a", [1], closed_by="client")
+    trajectory(store, "old_open", "a", [1], closed_by=None)
+    statements: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    store_ops.reward_by_version(store, SETTINGS, "a")  # the first call reads everything: older ones are unknown
+    ids = ["old_closed", "old_open"]
+    score_time = utcnow() - timedelta(hours=1)
+
+    def a_score(trajectory_id: str) -> None:
+        at = score_time + timedelta(seconds=rng.randrange(3600))  # written now, dated any time: the latest wins
+        with store.session() as session:
+            bulk_insert(session, Score, [Score(id=new_id("s"), trajectory_id=trajectory_id,
+                                               source=rng.choice(["reward", "reward", "ruler"]),
+                                               value=rng.choice([rng.random(), float("nan")]), created_at=at)
+                                         .model_dump()])
+            session.commit()
+
+    def feedback(trajectory_id: str) -> None:
+        item = rng.choice([FeedbackItem(trajectory_id, None, reward=rng.random() * 3),
+                           FeedbackItem(trajectory_id, None, label=rng.choice(["good", "bad", "meh"]))])
+        with store.session() as session:
+            write_feedback(session, [item])
+            session.commit()
+
+    def reopen(trajectory_id: str) -> None:  # a client continued a closed trajectory by its id
+        with store.session() as session:
+            row = session.get(Trajectory, trajectory_id)
+            assert row is not None
+            row_values = {**row.model_dump(), "status": "open", "closed_at": None, "close_reason": None}
+            bulk_update(session, Trajectory, [row_values], TOUCHED_COLUMNS)
+            session.commit()
+
+    def rescore(trajectory_id: str) -> None:  # an ORM update of a stored score: which one changed is not said
+        with store.session() as session:
+            for score in session.exec(select(Score).where(Score.trajectory_id == trajectory_id)):
+                score.value = rng.random()
+            session.commit()
+
+    for step in range(160):
+        choice = rng.random()
+        created = choice < 0.3 or len(ids) < 4
+        if created:
+            trajectory_id = f"t{step}"
+            versions = [rng.choice([0, 1, 2])] * rng.randint(1, 3)
+            if rng.random() < 0.15:
+                versions.append(rng.choice([0, 1, 2]))  # mixed, perhaps
+            trajectory(store, trajectory_id, rng.choice(["a", "a", "a", "b"]), versions,
+                       closed_by=rng.choice([None, None, "client", "fork"]),
+                       forked_versions=(rng.choice([0, 5]),) if rng.random() < 0.3 else ())
+            ids.append(trajectory_id)
+        elif choice < 0.55:
+            feedback(rng.choice(ids))
+        elif choice < 0.75:
+            a_score(rng.choice(ids))
+        elif choice < 0.82:
+            store.close_idle(0.0, now=utcnow() + timedelta(seconds=1))
+        elif choice < 0.9:
+            reopen(rng.choice(ids))
+        else:
+            rescore(rng.choice(ids))
+        statements.clear()
+        answer = store_ops.reward_by_version(store, SETTINGS, "a").model_dump(exclude_none=True)
+        if created:
+            assert statements == [], step  # a new trajectory's parts were all said by its writes
+        expected = from_scratch(store)
+        assert answer["mixed"] == expected["mixed"], step
+        assert answer["versions"].keys() == expected["versions"].keys(), step
+        for version, cell in expected["versions"].items():
+            assert answer["versions"][version] == pytest.approx(cell, nan_ok=True), (step, version)
+    kept = store_ops.VERSION_REWARDS[store][("a", False)]
+    assert len(kept.known.known) > 20 and sum(c["n"] for c in expected["versions"].values()) > 5
+
+
+@ONE_WRITER
+def test_a_trajectory_written_after_the_first_call_is_answered_without_a_read(store: Store) -> None:
+    statements: list[str] = []
+    store_ops.reward_by_version(store, SETTINGS, "a")
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    trajectory(store, "t1", "a", [4, 4], closed_by=None)
+    with store.session() as session:
+        write_feedback(session, [FeedbackItem(trajectory_id="t1", completion_id=None, reward=0.5)])
+        session.commit()
+    statements.clear()
+    summary = store_ops.reward_by_version(store, SETTINGS, "a").versions["4"]
+    assert statements == [] and (summary.n, summary.mean) == (1, 0.5)

@@ -49,7 +49,7 @@ from flywheel.capture.models import (
     utcnow,
 )
 from flywheel.capture.store import Store
-from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED, Followed
+from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED, Followed, FollowedFacts
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import (
     QUIET_STATUSES,
@@ -69,6 +69,7 @@ from flywheel.gateway.core.store_api import (
     VersionSummary,
 )
 from flywheel.gateway.storeproc import versions
+from flywheel.gateway.storeproc.reward_facts import RewardFacts
 from flywheel.gateway.storeproc.training_records import record_failed_round, record_training, training_batch
 from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
 
@@ -582,6 +583,8 @@ class VersionRewards:
 
     mark: Watermark = field(default_factory=Watermark)  # a shared store's
     followed: tuple[Followed, Followed] | None = None  # the trajectories this process's writes closed, rewarded
+    facts: FollowedFacts | None = None  # and what their rewards are made of
+    known: RewardFacts = field(default_factory=lambda: RewardFacts(single_precision=False))
     reward_of: dict[str, tuple[int, float]] = field(default_factory=dict)  # trajectory -> (version, reward)
     mixed: set[str] = field(default_factory=set)
     sums: dict[int, list[float]] = field(default_factory=dict)  # version -> [n, sum, sum of squares]
@@ -613,7 +616,7 @@ def forget_rewards(store: Store) -> None:
     """After a deletion: the next ``reward_by_version`` recomputes, and group formation looks at everything (a
     deleted trajectory leaves no watermark, nor a change to follow)."""
     for kept in VERSION_REWARDS.pop(store, {}).values():
-        for followed in kept.followed or ():
+        for followed in (*(kept.followed or ()), *([kept.facts] if kept.facts else [])):
             store.stamps.unfollow(followed)
     store.stamps.forget()
 
@@ -633,9 +636,10 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByV
     """Mean reward, n and a 95% interval (normal approximation) per version, over every rewarded trajectory.
 
     Incremental: sums per version kept in the store process, updated from the trajectories whose reward may have
-    changed: where this process is the store's one writer, those its own writes closed or rewarded (nothing to
-    read when none); on a shared store, those changed since a little before the last call, and everything every
-    ``FULL_PASS_S``. The first call reads everything."""
+    changed: where this process is the store's one writer, those its own writes closed, rewarded or otherwise
+    touched, answered from what those writes said (:mod:`reward_facts`) and read from the store only when
+    written before this process began following them; on a shared store, those changed since a little before
+    the last call, and everything every ``FULL_PASS_S``. The first call reads everything."""
     judge_only = settings.rewards.policy == "judge_only"
     kept = VERSION_REWARDS.setdefault(store, {}).setdefault((alias, judge_only), VersionRewards())
     if store.shared:
@@ -645,20 +649,40 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByV
             _update_rewards(kept, session, alias, judge_only, changed)
         kept.mark.ran(started, look)
     else:
-        if kept.followed is None:  # follow from now on, then read everything once
-            kept.followed, taken = (store.stamps.follow(CLOSED), store.stamps.follow(REWARDED)), None
-        else:
-            closed, rewarded = (followed.take() for followed in kept.followed)
-            taken = None if closed is None or rewarded is None else closed | rewarded
-        if taken is None or taken:
-            try:
-                with store.engine.connect() as session:
-                    _update_rewards(kept, session, alias, judge_only, None if taken is None else sorted(taken))
-            except BaseException:
-                kept.followed[0].give_back(taken)
-                raise
+        _follow_rewards(kept, store, alias, judge_only)
     return RewardByVersion(versions={str(v): summarize_sums(*kept.sums[v]) for v in sorted(kept.sums)},
                            mixed=len(kept.mixed))
+
+
+def _follow_rewards(kept: VersionRewards, store: Store, alias: str, judge_only: bool) -> None:
+    """``reward_by_version``'s update where this process is the store's one writer."""
+    if kept.followed is None or kept.facts is None:  # follow from now on, then read everything once
+        kept.followed = (store.stamps.follow(CLOSED), store.stamps.follow(REWARDED))
+        kept.facts, taken = store.stamps.follow_facts(), None
+        kept.known = RewardFacts(single_precision=store.engine.dialect.name == "duckdb")  # FLOAT is 4 bytes there
+    else:
+        closed, rewarded = (followed.take() for followed in kept.followed)
+        facts = kept.facts.take()
+        if facts is None:
+            kept.known.clear()
+        touched = kept.known.apply(facts or [])
+        taken = None if closed is None or rewarded is None else closed | rewarded | touched
+    from_facts = [] if taken is None else [i for i in taken if i in kept.known.known]
+    unknown = None if taken is None else sorted(taken.difference(from_facts))
+    if unknown is None or unknown:
+        try:
+            with store.engine.connect() as session:
+                _update_rewards(kept, session, alias, judge_only, unknown)
+        except BaseException:
+            kept.followed[0].give_back(taken)
+            raise
+    for trajectory_id in from_facts:
+        kept.drop(trajectory_id)
+        answer = kept.known.answer(trajectory_id, alias, judge_only)
+        if answer == "mixed":
+            kept.mixed.add(trajectory_id)
+        elif isinstance(answer, tuple):
+            kept.add(trajectory_id, *answer)
 
 
 def _update_rewards(kept: VersionRewards, session: Reader, alias: str, judge_only: bool,
