@@ -1,6 +1,6 @@
 """What this process has committed: how many write transactions touched each table (a stamp that tells a kept
 read from a stale one), which rows the loop's incremental jobs follow (:class:`Followed`), and the facts a
-trajectory's reward is made of, as written (:class:`FollowedFacts`).
+trajectory's reward and its idle close are made of, as written (:class:`FollowedFacts`).
 
 SQLAlchemy's events on the store's engine see every statement that writes a table (the ORM's and Core's
 INSERT, UPDATE and DELETE; the store's Arrow writes, which bypass SQLAlchemy, say so with :func:`wrote`).
@@ -34,10 +34,12 @@ REWARDED = "rewarded"  # a trajectory's feedback or final reward written: its id
 FORKED = "forked"  # a forked turn written: its completion id
 MAX_FOLLOWED = 100_000  # keys (or facts) a follower holds before it must look at everything instead
 
-# What a trajectory's reward is made of, as written: (table, trajectory id, inserted, the columns that count).
+# What a trajectory's reward and its idle close are made of, as written: (table, trajectory id, inserted, the
+# columns that count).
 Fact = tuple[str, str, bool, dict[str, Any]]
-_FACT_COLUMNS = {"trajectories": ("alias", "status", "close_reason"), "turns": ("adapter_version", "source"),
-                 "feedback": ("reward", "label", "created_at"), "scores": ("value", "created_at")}
+_FACT_COLUMNS = {"trajectories": ("alias", "status", "close_reason", "updated_at"),
+                 "turns": ("adapter_version", "source"), "feedback": ("reward", "label", "created_at"),
+                 "scores": ("value", "created_at")}
 
 
 class Followed:

@@ -323,10 +323,11 @@ def test_the_idle_close_closes_only_open_trajectories_quiet_for_idle_s(store: St
 
 
 def trajectory(store: Store, trajectory_id: str, alias: str, versions: list[int], *, closed_by: str | None,
-               forked_versions: tuple[int, ...] = ()) -> None:
+               forked_versions: tuple[int, ...] = (), at: datetime | None = None) -> None:
     """A trajectory of ``alias`` as capture writes it (bulk rows, turns before their trajectory): a turn per
-    version, forked turns beside them; open, or closed for ``closed_by``."""
-    now = utcnow()
+    version, forked turns beside them, all ``at`` (default now: a replayed spool writes older ones); open, or
+    closed for ``closed_by``."""
+    now = at or utcnow()
     turns = [Turn(id=f"turn_{trajectory_id}_{n}", trajectory_id=trajectory_id, completion_id=f"c_{trajectory_id}_{n}",
                   requested_model=alias, alias=alias, engine_model="m", h_ctx="x", h_out=f"o{n}", task_key="t",
                   adapter_version=version, source="fork" if n >= len(versions) else "client", created_at=now)
@@ -433,3 +434,47 @@ def test_a_trajectory_written_after_the_first_call_is_answered_without_a_read(st
     statements.clear()
     summary = store_ops.reward_by_version(store, SETTINGS, "a").versions["4"]
     assert statements == [] and (summary.n, summary.mean) == (1, 0.5)
+
+
+@ONE_WRITER
+def test_the_idle_close_reads_nothing_until_a_trajectory_can_be_idle_and_then_closes_what_a_full_update_closes(
+        store: Store) -> None:
+    """Random writes (new open trajectories, some replayed from long ago, closes by feedback, reopened ones
+    dated back): after each call every trajectory idle when it began is closed, and a call that could find
+    nothing idle runs no statement."""
+    rng = Random(7)
+    idle_s = 60.0
+    settings = Settings(capture={"idle_close_s": idle_s})
+    statements: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    ids: list[str] = []
+    skipped = 0
+    for step in range(80):
+        choice = rng.random()
+        now = utcnow()
+        if choice < 0.5 or not ids:
+            ago = rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 3 * idle_s)])  # now, or replayed from a while ago
+            trajectory(store, f"t{step}", "a", [0], closed_by=None, at=now - timedelta(seconds=ago))
+            ids.append(f"t{step}")
+        elif choice < 0.75:
+            with store.session() as session:
+                write_feedback(session, [FeedbackItem(trajectory_id=rng.choice(ids), completion_id=None, reward=1.0)])
+                session.commit()
+        else:  # a client continued a closed trajectory by its id, with a turn dated back
+            with store.session() as session:
+                row = session.get(Trajectory, rng.choice(ids))
+                assert row is not None
+                bulk_update(session, Trajectory, [{**row.model_dump(), "status": "open", "closed_at": None,
+                                                   "close_reason": None,
+                                                   "updated_at": now - timedelta(seconds=rng.uniform(0, 2 * idle_s))}],
+                            TOUCHED_COLUMNS)
+                session.commit()
+        began = utcnow()
+        statements.clear()
+        store_ops.close_idle(store, settings)
+        skipped += statements == []
+        with store.session() as session:
+            idle = session.exec(select(Trajectory.id).where(Trajectory.status == "open", Trajectory.updated_at
+                                                            < began - timedelta(seconds=idle_s))).all()
+        assert idle == [], step
+    assert 20 < skipped < 80  # most calls find nothing can be idle; the replayed ones are closed at once

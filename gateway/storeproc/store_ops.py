@@ -49,7 +49,7 @@ from flywheel.capture.models import (
     utcnow,
 )
 from flywheel.capture.store import Store
-from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED, Followed, FollowedFacts
+from flywheel.capture.write_stamps import CLOSED, FORKED, REWARDED, Fact, Followed, FollowedFacts
 from flywheel.gateway.core.config import Settings
 from flywheel.gateway.core.store_api import (
     QUIET_STATUSES,
@@ -94,8 +94,46 @@ def grouping_rules(settings: Settings) -> GroupingRules:
                          cohorts=config.cohorts, holdout_fraction=holdout_fraction(settings))
 
 
+@dataclass
+class IdleWatch:
+    """Where this process is the store's one writer: a time no open trajectory was last written before, kept from
+    what the writes since the last close said (docs/loop.md, "Incremental jobs")."""
+
+    facts: FollowedFacts
+    oldest_open: float = -math.inf  # epoch seconds; inf: none open, -inf: not known
+
+    def lower(self, facts: list[Fact] | None) -> None:
+        """Take in the trajectories written since: one that may be open may have been written that long ago."""
+        if facts is None:
+            self.oldest_open = -math.inf
+            return
+        for table, _, _, values in facts:
+            if table == "trajectories" and values.get("status") != "closed":
+                at = values.get("updated_at")
+                self.oldest_open = min(self.oldest_open, -math.inf if at is None else _epoch(at))
+
+
+IDLE_WATCHES: weakref.WeakKeyDictionary[Store, IdleWatch] = weakref.WeakKeyDictionary()
+
+
 def close_idle(store: Store, settings: Settings) -> int:
-    closed: int = store.close_idle(settings.capture.idle_close_s)
+    """Close the open trajectories idle for ``capture.idle_close_s``. On DuckDB only once one can be: until then
+    the ``UPDATE`` would find nothing."""
+    idle_s = settings.capture.idle_close_s
+    if store.shared:
+        return store.close_idle(idle_s)
+    watch = IDLE_WATCHES.get(store)
+    if watch is None:
+        watch = IDLE_WATCHES[store] = IdleWatch(store.stamps.follow_facts())
+    watch.lower(watch.facts.take())
+    now = utcnow()
+    if now.timestamp() - idle_s <= watch.oldest_open:
+        return 0
+    closed = store.close_idle(idle_s, now=now)
+    with store.engine.connect() as connection:  # after the take: a write committed since is read here or taken next
+        oldest = connection.execute(sa_select(func.min(Trajectory.updated_at))
+                                    .where(col(Trajectory.status) == "open")).scalar()
+    watch.oldest_open = math.inf if oldest is None else _epoch(oldest)
     return closed
 
 
