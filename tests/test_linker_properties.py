@@ -26,10 +26,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlmodel import select
 
@@ -129,9 +130,9 @@ def traffic(draw: st.DrawFn) -> tuple[list[Request], list[bool]]:
     return interleaved, cuts
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    opened = Store(tmp_path_factory.mktemp("properties") / "s.duckdb")
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    opened = Store(tmp_path / "s.duckdb")
     yield opened
     opened.close()
 
@@ -145,12 +146,21 @@ def _exchange(request: Request, key: str, at: int) -> CapturedExchange:
                             created_at=T0 + timedelta(milliseconds=at), latency_ms=1.0)
 
 
+def test_links_are_never_wrong_and_plain_evidence_is_used_and_the_examples_went_through_every_rule(
+        store: Store) -> None:
+    """The property on every example, then: its examples linked by prefix and by tail and started trajectories,
+    so its assertions were about all three (one test: apart, the two could run on different workers)."""
+    links_are_never_wrong_and_plain_evidence_is_used(store)
+    with store.session() as session:
+        rules = set(session.exec(select(Turn.link_rule)).all())
+    assert {"prefix", "tail", "new"} <= rules
+
+
 # Derandomized: CI runs the same examples every time (docs/capture.md, "What cannot be inferred").
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(traffic())
-def test_links_are_never_wrong_and_plain_evidence_is_used(store: Store, generated: tuple[list[Request], list[bool]]
-                                                          ) -> None:
+def links_are_never_wrong_and_plain_evidence_is_used(store: Store, generated: tuple[list[Request], list[bool]]
+                                                     ) -> None:
     requests, cuts = generated
     key = f"key_{uuid.uuid4().hex[:12]}"  # each example on its own client key: it sees only its own turns
     batch = []
@@ -185,11 +195,3 @@ def test_links_are_never_wrong_and_plain_evidence_is_used(store: Store, generate
         last_assistant = next((m for m in reversed(request.messages) if m["role"] == "assistant"), None)
         if holds_previous and last_assistant is not None and message_hash(last_assistant) in one_of_a_kind:
             assert turn.parent_turn_id is not None, f"one-of-a-kind answer not linked ({request.edits})"
-
-
-def test_the_examples_went_through_every_rule(store: Store) -> None:
-    """Runs after the property (file order, one store for the module): its examples linked by prefix and by
-    tail and started trajectories, so its assertions were about all three."""
-    with store.session() as session:
-        rules = set(session.exec(select(Turn.link_rule)).all())
-    assert {"prefix", "tail", "new"} <= rules
