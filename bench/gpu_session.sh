@@ -38,9 +38,10 @@ loss_tests() {
         tests/test_grpo_micro_batches.py
 }
 
-# A round's wall time against its train(), warm rounds in one training process.
+# A round's wall time against its train(), warm rounds in one training process (each round captures its own
+# 256 requests first: most of the step's time).
 warm_round() {
-    run warm_round 200 python3 -m bench.warm_round --rounds 3 --cold 1 --groups 32 --json-out "$out/warm_round.json"
+    run warm_round 300 python3 -m bench.warm_round --rounds 3 --cold 0 --groups 32 --json-out "$out/warm_round.json"
 }
 
 # Training throughput at real shapes (random weights, bf16): tokens/s, padding, MFU, peak memory.
