@@ -701,10 +701,10 @@ def _follow_rewards(kept: VersionRewards, store: Store, alias: str, judge_only: 
     else:
         closed, rewarded = (followed.take() for followed in kept.followed)
         facts = kept.facts.take()
-        if facts is None:
+        if facts is None:  # too many to keep: what else changed is not known, so read everything once
             kept.known.clear()
         touched = kept.known.apply(facts or [])
-        taken = None if closed is None or rewarded is None else closed | rewarded | touched
+        taken = None if closed is None or rewarded is None or facts is None else closed | rewarded | touched
     from_facts = [] if taken is None else [i for i in taken if i in kept.known.known]
     unknown = None if taken is None else sorted(taken.difference(from_facts))
     if unknown is None or unknown:
