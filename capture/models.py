@@ -22,6 +22,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def epoch(moment: datetime) -> float:
+    """Seconds since the epoch of a stored moment (a naive one is UTC: the store writes UTC)."""
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
 def _json(nullable: bool = True) -> Any:
     return Field(default=None, sa_column=Column(JSON, nullable=nullable))
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import overload
 
 import numpy as np
 
+from flywheel.capture.models import epoch
 from flywheel.capture.write_stamps import Fact
 from flywheel.judge.rewards import InvalidFeedbackError, feedback_reward
 
@@ -120,5 +121,5 @@ class RewardFacts:
 def _latest(current: tuple[float, float] | None, at: datetime | None, value: float) -> tuple[float, float]:
     """The later of ``current`` and (``at``, ``value``); a moment not given sorts last, a tie goes to the newer
     write (the store's reads order by ``created_at``, nulls last)."""
-    when = math.inf if at is None else (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+    when = math.inf if at is None else epoch(at)
     return (when, value) if current is None or when >= current[0] else current

@@ -14,7 +14,7 @@ import math
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from flywheel.capture.models import (
     Score,
     Trajectory,
     Turn,
+    epoch,
     utcnow,
 )
 from flywheel.capture.store import Store
@@ -110,7 +111,7 @@ class IdleWatch:
         for table, _, _, values in facts:
             if table == "trajectories" and values.get("status") != "closed":
                 at = values.get("updated_at")
-                self.oldest_open = min(self.oldest_open, -math.inf if at is None else _epoch(at))
+                self.oldest_open = min(self.oldest_open, -math.inf if at is None else epoch(at))
 
 
 IDLE_WATCHES: weakref.WeakKeyDictionary[Store, IdleWatch] = weakref.WeakKeyDictionary()
@@ -133,7 +134,7 @@ def close_idle(store: Store, settings: Settings) -> int:
     with store.engine.connect() as connection:  # after the take: a write committed since is read here or taken next
         oldest = connection.execute(sa_select(func.min(Trajectory.updated_at))
                                     .where(col(Trajectory.status) == "open")).scalar()
-    watch.oldest_open = math.inf if oldest is None else _epoch(oldest)
+    watch.oldest_open = math.inf if oldest is None else epoch(oldest)
     return closed
 
 
@@ -550,11 +551,7 @@ def canary_rewards(store: Store, settings: Settings, alias: str, since: datetime
                                   judge_only=settings.rewards.policy == "judge_only")
         rows += fork_units(session, alias, since, versions_in)
     rows.sort(key=lambda r: (r["at"], r["context"] or "", r["order"]))
-    return [CanaryReward(**{**row, "at": _epoch(row["at"])}) for row in rows]
-
-
-def _epoch(moment: datetime) -> float:
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()  # the store writes UTC
+    return [CanaryReward(**{**row, "at": epoch(row["at"])}) for row in rows]
 
 
 def conversation_units(session: Session, alias: str, since: datetime | None, versions_in: list[int], *,
@@ -622,7 +619,7 @@ class VersionRewards:
     mark: Watermark = field(default_factory=Watermark)  # a shared store's
     followed: tuple[Followed, Followed] | None = None  # the trajectories this process's writes closed, rewarded
     facts: FollowedFacts | None = None  # and what their rewards are made of
-    known: RewardFacts = field(default_factory=lambda: RewardFacts(single_precision=False))
+    known: RewardFacts | None = None  # those parts, per trajectory
     reward_of: dict[str, tuple[int, float]] = field(default_factory=dict)  # trajectory -> (version, reward)
     mixed: set[str] = field(default_factory=set)
     sums: dict[int, list[float]] = field(default_factory=dict)  # version -> [n, sum, sum of squares]
@@ -694,7 +691,7 @@ def reward_by_version(store: Store, settings: Settings, alias: str) -> RewardByV
 
 def _follow_rewards(kept: VersionRewards, store: Store, alias: str, judge_only: bool) -> None:
     """``reward_by_version``'s update where this process is the store's one writer."""
-    if kept.followed is None or kept.facts is None:  # follow from now on, then read everything once
+    if kept.followed is None or kept.facts is None or kept.known is None:  # follow from now on, read all once
         kept.followed = (store.stamps.follow(CLOSED), store.stamps.follow(REWARDED))
         kept.facts, taken = store.stamps.follow_facts(), None
         kept.known = RewardFacts(single_precision=store.engine.dialect.name == "duckdb")  # FLOAT is 4 bytes there
