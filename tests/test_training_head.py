@@ -22,13 +22,10 @@ NOT_BETTER_BELOW = {"online": {"decision": "not_better", "mean_difference": -0.0
 
 
 @pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    store = Store(str(tmp_path / "flywheel.duckdb"))
-    try:
-        with store.session() as session:
-            yield session
-    finally:
-        store.close()
+def session(store: Store) -> Iterator[Session]:
+    """A session on a new store, DuckDB and PostgreSQL (the head is one statement with a subquery on each)."""
+    with store.session() as session:
+        yield session
 
 
 def trained(session: Session, tmp_path: Path, parent: int | None, status: str, gate: dict[str, Any] | None = None,

@@ -136,10 +136,16 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
     takes with it its ancestors no gate ever saw (superseded before theirs): nothing spoke for them, and
     its failure speaks against the path it came by. What serves is still only what a gate promoted.
     """
-    current = serving(session, alias)
+    serving_version = (select(AdapterVersion.version).where(AdapterVersion.alias == alias,
+                                                            AdapterVersion.status == "promoted")
+                       .order_by(col(AdapterVersion.promoted_at).desc()).limit(1).scalar_subquery())
+    # the serving version and those above it in one statement: this is read after every version written
+    rows = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
+                                                     AdapterVersion.version >= func.coalesce(serving_version, 0))
+                        .order_by(col(AdapterVersion.version))).all()
+    current = rows[0] if rows and rows[0].status == "promoted" else None
     base = current.version if current is not None else 0
-    above = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias, AdapterVersion.version > base)
-                         .order_by(col(AdapterVersion.version))).all()
+    above = rows[1:] if current is not None else rows
     by_version = {row.version: row for row in above}
     cut = {row.version for row in above if shown_worse(row)}
     for version in list(cut):  # and the ancestors of each that no gate saw (a cut one's were walked, or will be)
