@@ -3,7 +3,9 @@
 The child (``flywheel train --alias A --gateway URL --stdio``, started by ``serving/loop/training_child.py``)
 reads a :class:`RoundRequest` line on its stdin, runs the round (``training/rounds.py``) and writes one
 :class:`RoundReply` line on its stdout; everything else it prints goes to its log. :class:`RoundSummary` is
-also what ``flywheel train --json`` prints last.
+also what ``flywheel train --json`` prints last. :class:`RoundReport` is a finished round's record: what a
+worker posts to ``/flywheel/v1/training/rounds``, and what the warm child's reply carries for the serving
+process to write.
 """
 
 from __future__ import annotations
@@ -29,14 +31,24 @@ class RoundSummary(BaseModel):
     groups: int
     adapter_path: str | None
     metrics: dict[str, float] = Field(default_factory=dict)
-    round_s: float  # the whole round: batch, reserve, train_round, publish, record
+    round_s: float  # the whole round: batch, reserve, train_round, publish, record (by the serving process: warm)
     train_s: float | None = None  # trainer.train() alone (TRL's train_runtime); None when nothing trained
     model_load_s: float | None = None  # loading the base model; 0 when kept from this process's last round
     warm: bool = False  # the base model was kept from this process's last round
 
 
+class RoundReport(BaseModel):
+    alias: str
+    version: int = Field(ge=1)
+    parent_version: int | None = None
+    promote: bool = False
+    result: dict[str, object]
+    batch_group_ids: list[str] = Field(default_factory=list)  # every group the round was given
+
+
 class RoundReply(BaseModel):
     ok: bool
     summary: RoundSummary | None = None  # when ok
+    report: RoundReport | None = None  # when a version was trained: the serving process records it
     error: str | None = None  # when not: why, in one line (the traceback is in the child's log)
     param: str | None = None  # "args" when the overrides named no GRPOArgs field

@@ -200,13 +200,16 @@ class RoundOutcome:
     version: int | None
     result: Any  # flywheel.trainer.grpo_args.RoundResult, None when nothing was trained
     groups: int
+    report: dict[str, Any] | None = None  # what was (or, with record=False, is to be) recorded; None: nothing
 
 
 def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: dict[str, Any], promote: bool = False,
               group_ids: list[str] | None = None, base_model: str | None = None,
-              launcher: list[str] | None = None) -> RoundOutcome:
+              launcher: list[str] | None = None, record: bool = True) -> RoundOutcome:
     """Fetch a batch, reserve a version, train, record; a round that raises is recorded failed, then re-raised.
 
+    ``record=False``: the caller records the outcome's ``report`` (the warm child's reply carries it to the
+    serving process, which writes it without a call back to itself).
     ``base_model``: where this machine keeps the base weights the gateway names (default: the same name).
     ``launcher``: train in ``launcher + ["-m", "flywheel.trainer.grpo", ...]`` (``accelerate launch --num_processes 4``:
     several GPUs, the same code) instead of in this process."""
@@ -250,8 +253,9 @@ def run_round(where: Where, alias: str, *, max_groups: int | None, overrides: di
     reported = result.to_json() | {"base_model": batch.base_model}  # the gateway's name for the weights
     report = {"alias": alias, "version": version, "parent_version": batch.current["version"] if batch.current else None,
               "promote": promote, "result": reported, "batch_group_ids": batch_ids}
-    where.record(report)
-    return RoundOutcome(result.status, version, result, len(groups))
+    if record:
+        where.record(report)
+    return RoundOutcome(result.status, version, result, len(groups), report)
 
 
 def summarize(outcome: RoundOutcome, round_s: float) -> RoundSummary:

@@ -1,6 +1,7 @@
 """The loop's warm training child: ``flywheel train --alias A --gateway URL --stdio`` runs rounds as they are asked.
 
-One :class:`RoundRequest` JSON line in on stdin, one :class:`RoundReply` line out on stdout, until stdin closes.
+One :class:`RoundRequest` JSON line in on stdin, one :class:`RoundReply` line out on stdout, until stdin closes;
+the reply carries the round's record, which the serving process writes (the child does not call back for it).
 torch, transformers and TRL are imported once, and the base model and tokenizer stay loaded between rounds
 (``flywheel.trainer.model_cache``). Everything else the round prints (TRL's log lines, tracebacks) goes to
 stderr, which the serving process points at the child's log file.
@@ -18,7 +19,7 @@ from typing import TextIO
 
 from pydantic import ValidationError
 
-from flywheel.gateway.core.training_wire import RoundReply, RoundRequest
+from flywheel.gateway.core.training_wire import RoundReply, RoundReport, RoundRequest
 from flywheel.gateway.training.rounds import RoundError, Where, run_round, summarize
 
 
@@ -70,11 +71,13 @@ def answer(where: Where, alias: str, line: str) -> RoundReply:
           f"overrides {request.overrides or 'none'}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     try:
-        outcome = run_round(where, alias, max_groups=None, overrides=request.overrides, group_ids=request.group_ids)
+        outcome = run_round(where, alias, max_groups=None, overrides=request.overrides, group_ids=request.group_ids,
+                            record=False)  # the reply carries the record: the serving process writes it
     except (RoundError, TypeError, ValueError) as exc:  # refused before training: bad arguments, a gateway that said no
         traceback.print_exc()
         return RoundReply(ok=False, error=str(exc))
     except Exception as exc:  # run_round recorded the failure with the gateway
         traceback.print_exc()
         return RoundReply(ok=False, error=f"{type(exc).__name__}: {exc}")
-    return RoundReply(ok=True, summary=summarize(outcome, time.perf_counter() - started))
+    report = RoundReport.model_validate(outcome.report) if outcome.report is not None else None
+    return RoundReply(ok=True, summary=summarize(outcome, time.perf_counter() - started), report=report)

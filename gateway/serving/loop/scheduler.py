@@ -114,7 +114,7 @@ class Loop:
         self.state = state
         self.observability = observability or Observability()  # a span per run, the tracker's cue
         self.settings = state.settings
-        self.child = TrainingChild(state.settings, gateway_url)
+        self.child = TrainingChild(state.settings, gateway_url, state.store)
         self.scheduler = AsyncIOScheduler()
         self.stopping = False
         self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)

@@ -23,7 +23,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from flywheel.gateway.core.config import Settings
-from flywheel.gateway.core.training_wire import RoundReply, RoundRequest
+from flywheel.gateway.core.errors import OpenAIError
+from flywheel.gateway.core.store_api import StoreApi
+from flywheel.gateway.core.training_wire import RoundReply, RoundReport, RoundRequest
+from flywheel.gateway.serving.store_client import as_it_is
 
 
 @dataclass
@@ -45,9 +48,10 @@ class _Child:
 class TrainingChild:
     """Starts, asks, and on shutdown or timeout stops the warm training child of each alias; one round at a time."""
 
-    def __init__(self, settings: Settings, gateway_url: str) -> None:
+    def __init__(self, settings: Settings, gateway_url: str, store: StoreApi) -> None:
         self.settings = settings
         self.gateway_url = gateway_url
+        self.store = store  # where a round's record goes: its reply carries it
         self.running: dict[str, _Child] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -83,10 +87,26 @@ class TrainingChild:
             if reply is None:  # dead, too slow, or no reply: stopped; the next round starts a fresh child
                 await self._stop(child.process, ended=not line and not timed_out)
                 self.running.pop(alias, None)
+            elif reply.report is not None:
+                reply = await self._record(reply, reply.report)
             returncode = (0 if reply.ok else 1) if reply is not None else \
                 (child.process.returncode if child.process.returncode is not None else -9)
             return ChildResult(returncode, child.log_path, _tail(child.log_path), timed_out, reply,
                                time.perf_counter() - started)
+
+    async def _record(self, reply: RoundReply, report: RoundReport) -> RoundReply:
+        """The round's record written; a record the store refused is the round's error (its version, left
+        ``training``, is then recorded failed, as for a child that died)."""
+        started = time.perf_counter()
+        try:
+            with as_it_is():  # a record waits for no captured turn
+                await self.store.record_round(report.alias, report.version, report.parent_version, promote=False,
+                                              result=report.result, batch_group_ids=report.batch_group_ids)
+        except OpenAIError as exc:  # the store process's answer, or that it is away
+            return RoundReply(ok=False, error=f"the round's record failed: {exc}")
+        if reply.summary is not None:
+            reply.summary.round_s += time.perf_counter() - started
+        return reply
 
     async def _start(self, alias: str) -> _Child:
         logs = self.settings.data_dir / "logs"

@@ -41,6 +41,7 @@ from flywheel.gateway.core.openapi import ERRORS, json_body, query
 from flywheel.gateway.core.protocol import parse_json_object, validate_request
 from flywheel.gateway.core.store_api import Version
 from flywheel.gateway.core.training_config import base_model_path, grpo_args
+from flywheel.gateway.core.training_wire import RoundReport
 from flywheel.gateway.serving.gateway_state import GatewayState
 from flywheel.gateway.serving.loop.promotion import promote_version
 from flywheel.gateway.serving.routes.admin import alias_info
@@ -126,15 +127,6 @@ async def reserve_version(request: Request) -> Response:
         return json_response(await state.store.reserve_version(body.alias, served.base_model,
                                                                parent_version=head.version if head else None,
                                                                alone=state.settings.train.workers, one_round=True))
-
-
-class RoundReport(BaseModel):
-    alias: str
-    version: int = Field(ge=1)
-    parent_version: int | None = None
-    promote: bool = False
-    result: dict[str, object]
-    batch_group_ids: list[str] = Field(default_factory=list)  # every group the round was given
 
 
 @router.post("/rounds", openapi_extra=json_body(RoundReport), responses=ERRORS)
