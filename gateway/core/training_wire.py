@@ -49,6 +49,6 @@ class RoundReport(BaseModel):
 class RoundReply(BaseModel):
     ok: bool
     summary: RoundSummary | None = None  # when ok
-    report: RoundReport | None = None  # when a version was trained: the serving process records it
+    report: RoundReport | None = None  # when a version was reserved: the serving process records it
     error: str | None = None  # when not: why, in one line (the traceback is in the child's log)
     param: str | None = None  # "args" when the overrides named no GRPOArgs field

@@ -75,11 +75,17 @@ def get(session: Session, alias: str, version: int) -> AdapterVersion:
     return row
 
 
+def _serving_query(alias: str, *columns: Any) -> Any:
+    """The newest promoted row of ``alias`` (its ``columns``, or the whole row): the version that serves it."""
+    return (select(*columns or (AdapterVersion,)).where(AdapterVersion.alias == alias,
+                                                        AdapterVersion.status == "promoted")
+            .order_by(col(AdapterVersion.promoted_at).desc()).limit(1))
+
+
 def serving(session: Session, alias: str) -> AdapterVersion | None:
     """The version that serves ``alias`` (None: the base model)."""
-    return session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
-                                                     AdapterVersion.status == "promoted")
-                        .order_by(col(AdapterVersion.promoted_at).desc()).limit(1)).first()
+    row: AdapterVersion | None = session.exec(_serving_query(alias)).first()
+    return row
 
 
 def _promoted_at(row: AdapterVersion) -> float:
@@ -136,9 +142,7 @@ def training_head(session: Session, alias: str) -> AdapterVersion | None:
     takes with it its ancestors no gate ever saw (superseded before theirs): nothing spoke for them, and
     its failure speaks against the path it came by. What serves is still only what a gate promoted.
     """
-    serving_version = (select(AdapterVersion.version).where(AdapterVersion.alias == alias,
-                                                            AdapterVersion.status == "promoted")
-                       .order_by(col(AdapterVersion.promoted_at).desc()).limit(1).scalar_subquery())
+    serving_version = _serving_query(alias, AdapterVersion.version).scalar_subquery()
     # the serving version and those above it in one statement: this is read after every version written
     rows = session.exec(select(AdapterVersion).where(AdapterVersion.alias == alias,
                                                      AdapterVersion.version >= func.coalesce(serving_version, 0))
