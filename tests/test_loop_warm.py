@@ -115,3 +115,18 @@ enabled = false
         assert [p.pid for p in training_children(gateway)] != [first.pid]
     finally:
         gateway.stop()
+
+
+def test_a_round_with_nothing_to_train_or_a_bad_argument_reserves_nothing_and_starts_no_child(
+        tmp_path: Path, tiny_model: Path) -> None:
+    gateway = GatewayProcess(tmp_path, tiny_loop_config(tiny_model, JUDGE_OFF)).start()
+    try:
+        refused = httpx.post(f"{gateway.url}/flywheel/v1/aliases/agent/train", timeout=60,
+                             json={"args": {"max_stepz": 3}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "args", refused.text
+        assert "GRPOArgs has no field 'max_stepz'" in refused.json()["error"]["message"]
+        nothing = httpx.post(f"{gateway.url}/flywheel/v1/aliases/agent/train", timeout=60, json={})
+        assert nothing.status_code == 200 and (nothing.json()["status"], nothing.json()["version"]) == ("skipped", None)
+        assert versions(gateway) == [] and training_children(gateway) == []
+    finally:
+        gateway.stop()

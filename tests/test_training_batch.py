@@ -2,7 +2,7 @@
 one branch with its latest reward, read for all groups at once and equal to reading each group by itself
 (capture.groups.training_group); how recording the round settles them; and its version: refused while another
 round trains, a candidate that supersedes older ones once recorded. On both backends: a real DuckDB file and a
-real PostgreSQL database."""
+real PostgreSQL database. The store interface's ``open_round`` reads and reserves a round in one call."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from flywheel.capture.groups import training_group
 from flywheel.capture.models import Group, GroupMember, Score, Trajectory, Turn, utcnow
 from flywheel.capture.store import Store
 from flywheel.gateway.core.config import Settings
-from flywheel.gateway.storeproc import store_ops
+from flywheel.gateway.core.store_api import OpenedRound
+from flywheel.gateway.storeproc import store_ops, versions
+from flywheel.gateway.storeproc.store_api_local import LocalStore
 from flywheel.gateway.storeproc.training_records import record_training, training_batch
 from flywheel.gateway.storeproc.versions import VersionError
 from flywheel.trainer.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -159,3 +161,25 @@ def test_a_round_s_version_is_refused_while_another_trains_and_its_record_supers
     rows = {row.version: row for row in store_ops.list_versions(store, settings, "agent")}
     assert (rows[first].status, rows[first].reason) == ("rejected", f"superseded by version {second} before its gate")
     assert rows[second].status == "candidate"
+
+
+async def test_opening_a_round_reads_its_batch_and_head_and_reserves_its_version_in_one_call(
+        store: Store, tmp_path: Path) -> None:
+    fill(store)
+    settings = Settings(data_dir=tmp_path)
+    local = LocalStore(store, settings)
+    assert await local.open_round("nobody", "m", max_groups=10) == OpenedRound(groups=[])
+    assert store_ops.list_versions(store, settings, "nobody") == []  # no scored group: nothing reserved
+    with store.session() as session:
+        served = versions.reserve(session, "agent", path_of=lambda n: store_ops.adapter_dir(settings, "agent", n),
+                                  base_model="m", status="candidate")
+        Path(served.path).mkdir(parents=True)
+        versions.promote(session, "agent", served.version, reason="a test")
+    opened = await local.open_round("agent", "m", max_groups=2)
+    assert [g.group_id for g in opened.groups] == ["g_fork", "g_conv"]
+    assert opened.head is not None and opened.head.version == served.version
+    assert opened.reserved is not None
+    assert (opened.reserved.version, opened.reserved.status, opened.reserved.parent_version, opened.reserved.path) == \
+        (served.version + 1, "training", served.version, str(store_ops.adapter_dir(settings, "agent", 2)))
+    with pytest.raises(VersionError, match=f"version {opened.reserved.version} in flight: one round at a time"):
+        await local.open_round("agent", "m", max_groups=2)

@@ -126,7 +126,7 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
           set_: Annotated[list[str] | None, typer.Option(
               "--set", help="A GRPOArgs field for this round, e.g. --set max_steps=8 (repeatable).")] = None,
           stdio: Annotated[bool, typer.Option(
-              "--stdio", help="Stay up and run the rounds asked on stdin, one JSON line each way (the loop's "
+              "--stdio", help="Stay up and train the rounds given on stdin, one JSON line each way (the loop's "
                               "training child, docs/loop.md).")] = False,
           ) -> None:
     """Run one GRPO round on the alias's scored groups and write adapter version N (a candidate for the gate).
@@ -137,28 +137,26 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
 
     from flywheel.gateway.training.rounds import AdminApi, RoundError, StoreFile, Where, run_round, summarize
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    if stdio:  # each round comes whole on stdin: no configuration, store or gateway to find
+        from flywheel.gateway.training import warm
+
+        warm.serve(alias)
+        return
     location = locate(Target(config, gateway, admin_key, data_dir, database))
     settings = location.settings
     if location.url is None and alias not in settings.aliases:  # a gateway checks the alias itself
         fail(f"--alias: no alias named {alias!r} in the configuration")
     overrides = field_values(set_ or [])
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     store = None
     where: Where
     if workdir is not None and location.url is None:
         fail("--workdir uploads to a running gateway: give --gateway URL")
-    if stdio and location.url is None:
-        fail("--stdio takes rounds for a running gateway: give --gateway URL")
     if location.url is not None:
         where = AdminApi(location.url, location.admin_key, workdir=workdir)
-        if stdio:
-            from flywheel.gateway.training import warm
-
-            warm.serve(where, alias)
-            return
     else:
         store = open_store(location.database or settings.database)
         where = StoreFile(store, settings)

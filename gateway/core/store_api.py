@@ -101,6 +101,14 @@ class Pending(BaseModel):
     last_trained_at: datetime | None
 
 
+class OpenedRound(BaseModel):
+    """A round's start, in one call: its batch, the version it continues from, the version it trains."""
+
+    groups: list[TrainingGroup]
+    head: Version | None = None  # the version the round continues from; None: the base model
+    reserved: Version | None = None  # None when no scored group waits: nothing is reserved
+
+
 class Promoted(BaseModel):
     serving: Version | None
     previous: Version | None
@@ -187,6 +195,9 @@ class StoreApi(Protocol):
     async def reserve_version(self, alias: str, base_model: str, source: str = "trained", status: str = "training",
                               path: str | None = None, parent_version: int | None = None,
                               alone: bool = False, one_round: bool = False) -> Version: ...
+
+    async def open_round(self, alias: str, base_model: str, max_groups: int,
+                         group_ids: list[str] | None = None) -> OpenedRound: ...
 
     async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
                            result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None: ...

@@ -1,11 +1,12 @@
 """What the serving process and its warm training child say to each other: one JSON line each way per round.
 
-The child (``flywheel train --alias A --gateway URL --stdio``, started by ``serving/loop/training_child.py``)
-reads a :class:`RoundRequest` line on its stdin, runs the round (``training/rounds.py``) and writes one
-:class:`RoundReply` line on its stdout; everything else it prints goes to its log. :class:`RoundSummary` is
-also what ``flywheel train --json`` prints last. :class:`RoundReport` is a finished round's record: what a
-worker posts to ``/flywheel/v1/training/rounds``, and what the warm child's reply carries for the serving
-process to write.
+The serving process opens the round (its batch read and its version reserved, one store call) and writes it
+whole as a :class:`RoundRequest` line on the child's stdin (``flywheel train --alias A --stdio``, started by
+``serving/loop/training_child.py``); the child trains it (``training/rounds.py``) and writes one
+:class:`RoundReply` line on its stdout, asking nothing back. Everything else it prints goes to its log.
+:class:`RoundSummary` is also what ``flywheel train --json`` prints last. :class:`RoundReport` is a finished
+round's record: what a worker posts to ``/flywheel/v1/training/rounds``, and what the warm child's reply
+carries for the serving process to write.
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class RoundRequest(BaseModel):
+    """A round the serving process opened: everything the child trains it with."""
+
     model_config = ConfigDict(extra="forbid")
 
     alias: str
-    group_ids: list[str] | None = None  # train on these scored groups only (None: the batch the gateway picks)
+    version: int = Field(ge=1)  # reserved for this round
+    out_dir: str  # the reserved version's directory: the adapter is written there
+    base_model: str
+    current: dict[str, Any] | None  # {"version", "path"} of the adapter the round continues from; None: the base
+    groups: list[dict[str, Any]]  # TrainingGroup.to_json() each
+    args: dict[str, Any]  # the GRPOArgs the gateway's configuration resolves to for this alias
     overrides: dict[str, Any] = Field(default_factory=dict)  # GRPOArgs fields for this round
 
 
@@ -49,6 +57,6 @@ class RoundReport(BaseModel):
 class RoundReply(BaseModel):
     ok: bool
     summary: RoundSummary | None = None  # when ok
-    report: RoundReport | None = None  # when a version was reserved: the serving process records it
+    report: RoundReport | None = None  # when it trained or skipped: the serving process records it
     error: str | None = None  # when not: why, in one line (the traceback is in the child's log)
     param: str | None = None  # "args" when the overrides named no GRPOArgs field

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from flywheel.capture.store import printable_url
 from flywheel.gateway.core.auth import Authenticator
 from flywheel.gateway.core.config import LocalEngineConfig, OpenAIEngineConfig, Settings
-from flywheel.gateway.core.discovery import announce_when_listening, local_url, withdraw
+from flywheel.gateway.core.discovery import announce_when_listening, withdraw
 from flywheel.gateway.core.error_handlers import install_error_handlers
 from flywheel.gateway.core.errors import OpenAIError
 from flywheel.gateway.core.http import json_response, read_body
@@ -109,7 +109,7 @@ def build_app(settings: Settings) -> FastAPI:
         state = await start_gateway(settings)
         observability = Observability.start(settings, state.store)  # traces, tracking: off by default
         state.metrics.registry.register(observability.collector())
-        loop = Loop(state, local_url(settings), observability)
+        loop = Loop(state, observability)
         await loop.start()
         app.state.gateway, app.state.metrics, app.state.loop = state, state.metrics, loop
         app.state.observability = observability

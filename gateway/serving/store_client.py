@@ -33,6 +33,7 @@ from flywheel.gateway.core.store_api import (
     FormedGroup,
     HeldoutContext,
     JobRunRecord,
+    OpenedRound,
     Pending,
     Promoted,
     Recovered,
@@ -123,6 +124,11 @@ class StoreClient:
         return await self._call(StoreApi.reserve_version, alias=alias,
                                 base_model=base_model, source=source, status=status, path=path,
                                 parent_version=parent_version, alone=alone, one_round=one_round)
+
+    async def open_round(self, alias: str, base_model: str, max_groups: int,
+                         group_ids: list[str] | None = None) -> OpenedRound:
+        return await self._call(StoreApi.open_round, alias=alias, base_model=base_model, max_groups=max_groups,
+                                group_ids=group_ids)
 
     async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
                            result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:

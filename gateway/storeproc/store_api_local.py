@@ -27,6 +27,7 @@ from flywheel.gateway.core.store_api import (
     FormedGroup,
     HeldoutContext,
     JobRunRecord,
+    OpenedRound,
     Pending,
     Promoted,
     Recovered,
@@ -106,6 +107,18 @@ class LocalStore:
                               alone: bool = False, one_round: bool = False) -> Version:
         return await self._run(store_ops.reserve_version, alias, base_model, source, status, path, parent_version,
                                alone, one_round)
+
+    async def open_round(self, alias: str, base_model: str, max_groups: int,
+                         group_ids: list[str] | None = None) -> OpenedRound:
+        """The batch, the (kept) training head, and a version reserved as the admin API's reservation does: one
+        round of the alias at a time; with trainer workers, only while no version is in flight."""
+        groups = await self.training_batch(alias, max_groups, group_ids)
+        if not groups:
+            return OpenedRound(groups=[])
+        head = await self.training_head(alias)
+        reserved = await self.reserve_version(alias, base_model, parent_version=head.version if head else None,
+                                              alone=self.settings.train.workers, one_round=True)
+        return OpenedRound(groups=groups, head=head, reserved=reserved)
 
     async def record_round(self, alias: str, version: int, parent_version: int | None, promote: bool,
                            result: dict[str, Any], batch_group_ids: list[str] | None = None) -> Version | None:

@@ -110,11 +110,11 @@ def training_due(pending: Pending, loop: LoopConfig, started_at: float) -> bool:
 class Loop:
     """Schedules the jobs and runs each one with its record in ``job_runs``."""
 
-    def __init__(self, state: GatewayState, gateway_url: str, observability: Observability | None = None) -> None:
+    def __init__(self, state: GatewayState, observability: Observability | None = None) -> None:
         self.state = state
         self.observability = observability or Observability()  # a span per run, the tracker's cue
         self.settings = state.settings
-        self.child = TrainingChild(state.settings, gateway_url, state.store)
+        self.child = TrainingChild(state.settings, state.store)
         self.scheduler = AsyncIOScheduler()
         self.stopping = False
         self.started_at = time.time()  # before any round: "every train_every_s" counts from the loop's start (lead)
@@ -356,14 +356,10 @@ class Loop:
         result = await self.child.run(alias)
         if self.stopping:  # stopped with the gateway: the next start records the round as failed
             return Outcome("failed", "stopped with the gateway")
-        if result.reply is None or result.reply.summary is None:
-            busy = (await store.serving())[alias].training
-            if busy is not None:  # the child died before it could say so
-                reason = "timed out" if result.timed_out else f"exited with {result.returncode}"
-                await store.record_failed_round(
-                    alias, busy.version, f"the training process {reason}; log {result.log_path}:\n{result.tail}")
+        if result.reply is None or result.reply.summary is None:  # the child recorded the round failed
             why = result.reply.error if result.reply else f"training process exited with {result.returncode}"
-            return Outcome("failed", f"{why} (log {result.log_path})", {"scored_groups": scored})
+            log = f" (log {result.log_path})" if result.log_path else ""
+            return Outcome("failed", f"{why}{log}", {"scored_groups": scored})
         summary = result.reply.summary
         timing = {"round_s": summary.round_s, "train_s": summary.train_s, "warm": summary.warm}
         if summary.status != "finished":

@@ -213,7 +213,8 @@ async def train_now(alias: str, request: Request) -> Response:
         result = await loop.child.run(alias, body.group_ids, body.args)
     if result.reply is None or result.reply.summary is None:
         why = result.reply.error if result.reply else result.tail[-1500:]
-        raise BadRequest(f"the training round failed (log {result.log_path}): {why}",
+        log = f" (log {result.log_path})" if result.log_path else ""
+        raise BadRequest(f"the training round failed{log}: {why}",
                          param=result.reply.param if result.reply else None, code="training_failed")
     summary = result.reply.summary
     finished = summary.status == "finished"
