@@ -112,10 +112,10 @@ class LocalStore:
                          group_ids: list[str] | None = None) -> OpenedRound:
         """The batch, the (kept) training head, and a version reserved as the admin API's reservation does: one
         round of the alias at a time; with trainer workers, only while no version is in flight."""
-        groups = await self.training_batch(alias, max_groups, group_ids)
+        groups, head = await asyncio.gather(self.training_batch(alias, max_groups, group_ids),
+                                            self.training_head(alias))  # both at once: reads, on two threads
         if not groups:
             return OpenedRound(groups=[])
-        head = await self.training_head(alias)
         reserved = await self.reserve_version(alias, base_model, parent_version=head.version if head else None,
                                               alone=self.settings.train.workers, one_round=True)
         return OpenedRound(groups=groups, head=head, reserved=reserved)
