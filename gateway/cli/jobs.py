@@ -127,7 +127,8 @@ def train(alias: Annotated[str, typer.Option("--alias", help="The alias to train
               "--set", help="A GRPOArgs field for this round, e.g. --set max_steps=8 (repeatable).")] = None,
           stdio: Annotated[bool, typer.Option(
               "--stdio", help="Stay up and train the rounds given on stdin, one JSON line each way (the loop's "
-                              "training child, docs/loop.md).")] = False,
+                              "training child, docs/loop.md); each round brings its own settings, so every other "
+                              "option but --threads is ignored.")] = False,
           ) -> None:
     """Run one GRPO round on the alias's scored groups and write adapter version N (a candidate for the gate).
 
