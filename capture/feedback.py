@@ -4,7 +4,7 @@ set-based statements of the transaction that writes its turns (docs/capture.md, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +53,22 @@ def write_feedback(session: Session, items: Sequence[FeedbackItem], written: Seq
     transaction (whose turns are visible here: a completion answered in this very batch is found).
     ``written``: the turns this transaction wrote (the batch's rows); a completion among them is matched
     from them, without a query. ``sub_agents``: as for :func:`close_trajectories`."""
+    recorded, rows = match_feedback(session, items, written)
+    insert_feedback(session, rows, sub_agents=sub_agents)
+    return recorded
+
+
+def match_feedback(session: Session, items: Sequence[FeedbackItem], written: Sequence[dict[str, Any]] = (),
+                   owners: dict[str, str | None] | None = None
+                   ) -> tuple[list[Recorded | None], list[dict[str, Any]]]:
+    """What each item recorded (None: no trajectory of the client's matched) and the feedback rows to insert; reads
+    only. ``written`` as for :func:`write_feedback`; ``owners``: the client key of trajectories not stored yet (a
+    batch's own), by id."""
     if not items:
-        return []
-    owners = _trajectory_owners(session, [i.trajectory_id for i in items if i.trajectory_id])
+        return [], []
+    owners = {**_trajectory_owners(session, [i.trajectory_id for i in items
+                                             if i.trajectory_id and i.trajectory_id not in (owners or {})]),
+              **(owners or {})}
     by_completion = _completion_trajectories(session, [i.completion_id for i in items
                                                        if i.completion_id and not i.trajectory_id], written)
     recorded: list[Recorded | None] = []
@@ -70,32 +83,43 @@ def write_feedback(session: Session, items: Sequence[FeedbackItem], written: Seq
                      "reward": item.reward, "label": item.label, "comment": item.comment,
                      "client_key_id": item.client_key_id, "created_at": now})
         recorded.append(Recorded(trajectory_id, rows[-1]["id"]))
-    if rows:
-        session.execute(insert(_FEEDBACK), rows)  # Core: the ORM's bulk insert adds nothing for plain rows
-        note_rows(session.connection(), "feedback", rows)
-        close_trajectories(session, sorted({row["trajectory_id"] for row in rows}), "feedback", sub_agents=sub_agents)
-    return recorded
+    return recorded, rows
+
+
+def insert_feedback(session: Session, rows: list[dict[str, Any]], *, sub_agents: bool = True,
+                    closed: Collection[str] = ()) -> None:
+    """Insert :func:`match_feedback`'s rows and close their trajectories; ``closed``: those closed already in this
+    transaction (a batch's own rows), whose sub-agents are still closed here."""
+    if not rows:
+        return
+    session.execute(insert(_FEEDBACK), rows)  # Core: the ORM's bulk insert adds nothing for plain rows
+    note_rows(session.connection(), "feedback", rows)
+    close_trajectories(session, sorted({row["trajectory_id"] for row in rows}), "feedback", sub_agents=sub_agents,
+                       closed=closed)
 
 
 def close_trajectories(session: Session, trajectory_ids: Sequence[str], reason: str, *,
-                       sub_agents: bool = True) -> None:
+                       sub_agents: bool = True, closed: Collection[str] = ()) -> None:
     """Close these trajectories, and their sub-agents' still open (reason ``parent``): two set-based updates, the
-    second only where the store may hold sub-agents at all (``sub_agents``: ``Store.sub_agents``)."""
+    second only where the store may hold sub-agents at all (``sub_agents``: ``Store.sub_agents``). ``closed``: ids
+    among them this transaction closed already (in the rows it wrote): only their sub-agents are closed here."""
     if not trajectory_ids:
         return
     now = utcnow()
-    closed = session.execute(update(Trajectory)
-                             .where(col(Trajectory.id).in_(trajectory_ids), col(Trajectory.status) != "closed")
-                             .values(status="closed", closed_at=now, close_reason=reason)
-                             .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
-    note_closed(session.connection(), (trajectory_id for trajectory_id, in closed), reason)
+    still_open = [trajectory_id for trajectory_id in trajectory_ids if trajectory_id not in closed]
+    if still_open:
+        done = session.execute(update(Trajectory)
+                               .where(col(Trajectory.id).in_(still_open), col(Trajectory.status) != "closed")
+                               .values(status="closed", closed_at=now, close_reason=reason)
+                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
+        note_closed(session.connection(), (trajectory_id for trajectory_id, in done), reason)
     if sub_agents:
-        closed = session.execute(update(Trajectory)
-                                 .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
-                                        col(Trajectory.status) == "open")
-                                 .values(status="closed", closed_at=now, close_reason="parent")
-                                 .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
-        note_closed(session.connection(), (trajectory_id for trajectory_id, in closed), "parent")
+        done = session.execute(update(Trajectory)
+                               .where(col(Trajectory.parent_trajectory_id).in_(trajectory_ids),
+                                      col(Trajectory.status) == "open")
+                               .values(status="closed", closed_at=now, close_reason="parent")
+                               .returning(col(Trajectory.id)).execution_options(synchronize_session=False))
+        note_closed(session.connection(), (trajectory_id for trajectory_id, in done), "parent")
 
 
 def _trajectory_owners(session: Session, ids: list[str]) -> dict[str, str | None]:

@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from itertools import islice
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -152,7 +153,8 @@ class TrajectoryLinker:
         self.lock = lock  # several writers: lock the trajectories a batch may continue (PostgreSQL)
         self._batched_tails = session.get_bind().dialect.name == "duckdb"  # _probe_answers: statements are dear
         # Plain records, not ORM objects: those are dear to build, and each would flush as its own UPDATE
-        self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch touches
+        self._trajectories: dict[str, SimpleNamespace] = {}  # stored ones this batch may continue (candidates)
+        self._continued: dict[str, None] = {}  # ... and those it did, in order
         self._new_trajectories: dict[str, SimpleNamespace] = {}  # created by this batch
         self._by_hash: dict[str, list[_Candidate]] = {}  # by h_out
         self._by_answer: dict[tuple[str, str | None], list[_Candidate]] = {}  # by (h_answer, h_replied_to | None)
@@ -387,8 +389,25 @@ class TrajectoryLinker:
         return [vars(t) for t in self._new_trajectories.values()]
 
     def touched_trajectories(self) -> list[dict[str, Any]]:
-        """Stored trajectories this batch continued: the store updates their :data:`TOUCHED_COLUMNS`."""
-        return [vars(t) for t in self._trajectories.values()]
+        """Stored trajectories this batch continued (or closed): the store updates their :data:`TOUCHED_COLUMNS`;
+        the candidates it read and left alone are not written."""
+        return [vars(self._trajectories[trajectory_id]) for trajectory_id in self._continued]
+
+    def owners(self) -> dict[str, str | None]:
+        """The client key of each trajectory this batch started or read."""
+        return {t.id: t.client_key_id for t in (*self._trajectories.values(), *self._new_trajectories.values())}
+
+    def close(self, trajectory_ids: set[str], reason: str, at: datetime) -> set[str]:
+        """Close those of ``trajectory_ids`` still open that this batch started or continued, in the rows it writes
+        (no ``UPDATE`` after them); the ids closed here."""
+        closed = set()
+        for trajectory_id in trajectory_ids:
+            trajectory = self._new_trajectories.get(trajectory_id) or \
+                (self._trajectories[trajectory_id] if trajectory_id in self._continued else None)
+            if trajectory is not None and trajectory.status != "closed":
+                trajectory.status, trajectory.closed_at, trajectory.close_reason = "closed", at, reason
+                closed.add(trajectory_id)
+        return closed
 
     def _find_parent(self, item: PreparedTurn) -> _Match | None:
         """Rules 2-5: the last assistant prefix, the tail, the older prefixes; without any, a quoted summary."""
@@ -540,6 +559,8 @@ class TrajectoryLinker:
                 parent_trajectory_id=self._sub_agent_parent(parent_trajectory_id, turn["trajectory_id"],
                                                             turn["client_key_id"]))
             self._new_trajectories[trajectory.id] = trajectory
+        elif trajectory.id in self._trajectories:
+            self._continued[trajectory.id] = None
         if trajectory.status == "closed":  # only an explicit id gets here: the client chose to continue it
             trajectory.status, trajectory.closed_at, trajectory.close_reason = "open", None, None
         if turn["source"] == "fork":

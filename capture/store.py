@@ -32,11 +32,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-from flywheel.capture.feedback import FeedbackBatch, Recorded, close_trajectories, write_feedback
+from flywheel.capture.feedback import FeedbackBatch, Recorded, close_trajectories, insert_feedback, match_feedback
 from flywheel.capture.linker import TOUCHED_COLUMNS, ParentWait, TrajectoryLinker, chunks
 from flywheel.capture.models import SCHEMA_VERSION, SchemaMeta, Trajectory, Turn, utcnow
 from flywheel.capture.turns import PreparedTurn
-from flywheel.capture.write_stamps import WriteStamps, note_closed, note_rows, row_facts
+from flywheel.capture.write_stamps import WriteStamps, note_closed, note_rows
 
 log = logging.getLogger("flywheel.store")
 
@@ -345,14 +345,17 @@ class Store:
                 else:
                     linker.link(item)
             linker.finish()
+            recorded, feedback_rows = match_feedback(session, feedback.items, linker.turns, linker.owners()) \
+                if feedback is not None else ([], [])
+            # Feedback on a trajectory this batch writes closes it in the rows written, not by an UPDATE after them
+            closed = linker.close({row["trajectory_id"] for row in feedback_rows}, "feedback", utcnow())
             started = linker.new_trajectories()
             self.sub_agents = self.sub_agents or any(t["parent_trajectory_id"] for t in started)
             # One multi-row INSERT per table, one UPDATE for the stored trajectories the batch continued.
             bulk_insert(session, Turn, linker.turns)
             bulk_insert(session, Trajectory, started)
             bulk_update(session, Trajectory, linker.touched_trajectories(), TOUCHED_COLUMNS)
-            recorded = write_feedback(session, feedback.items, linker.turns, sub_agents=self.sub_agents) \
-                if feedback is not None else []
+            insert_feedback(session, feedback_rows, sub_agents=self.sub_agents, closed=closed)
             session.commit()
         return linker, held, recorded
 
@@ -437,7 +440,7 @@ def bulk_update(session: Session, model: type[SQLModel], rows: list[dict[str, An
     if not rows:
         return
     table = model.__table__  # type: ignore[attr-defined]
-    WriteStamps.noted_facts(session.connection(), row_facts(table.name, rows, inserted=False))
+    note_rows(session.connection(), table.name, rows, inserted=False)
     if session.get_bind().dialect.name != "duckdb":
         # Bind names must differ from the column names SQLAlchemy reserves for the SET clause.
         values: dict[str, Any] = {c: bindparam(f"_{c}") for c in columns}

@@ -23,6 +23,7 @@ from flywheel.capture.models import Feedback, Trajectory, Turn, utcnow
 from flywheel.capture.recorder import Recorder, Spool
 from flywheel.capture.store import Store
 from flywheel.capture.turns import CapturedExchange, prepare_lines
+from flywheel.capture.write_stamps import CLOSED
 from tests.gateway_process import GatewayProcess
 from tests.scripted_openai import ScriptedOpenAI
 from tests.test_capture import start_gateway
@@ -99,6 +100,40 @@ def test_feedback_finds_its_completion_in_its_own_batch_or_in_the_store(store: S
     assert [r.trajectory_id if r else None for r in carried.recorded] == \
         [owner["chatcmpl-two", 0], None, owner["chatcmpl-7", 0]]
     assert closed == {owner["chatcmpl-two", 0], owner["chatcmpl-7", 0]}
+
+
+def test_feedback_on_a_trajectory_its_batch_writes_closes_it_in_the_rows_written(store: Store) -> None:
+    """Feedback closes the trajectory a batch starts or continues in the row the batch writes (no ``UPDATE`` after
+    it), one the batch did not touch by an ``UPDATE``; each is followed as closed (what group formation reads)."""
+    closes: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if statement.startswith("UPDATE trajectories") and "trajectories.id IN" in statement:
+            closes.append(str(parameters))
+
+    followed = store.stamps.follow(CLOSED)
+    store.write_turns(prepare_lines([exchange(1), exchange(3), exchange(4)], None, None))
+    continued = CapturedExchange.from_line(exchange(11))
+    continued.request["messages"] = [{"role": "user", "content": "question 1"},
+                                     {"role": "assistant", "content": "answer 1"},
+                                     {"role": "user", "content": "and then?"}]
+    event.listen(store.engine, "before_cursor_execute", count)
+    carried = FeedbackBatch([FeedbackItem(trajectory_id=None, completion_id=f"chatcmpl-{i}", reward=1.0)
+                             for i in (11, 2, 3)])
+    store.write_turns(prepare_lines([continued.to_line(), exchange(2)], None, None), feedback=carried)
+    event.remove(store.engine, "before_cursor_execute", count)
+    with store.session() as session:
+        by_completion = {t.completion_id: t.trajectory_id for t in session.exec(select(Turn))}
+        trajectories = {t.id: t for t in session.exec(select(Trajectory))}
+    continued_id, new_id, untouched_id = (by_completion[f"chatcmpl-{i}"] for i in (11, 2, 3))
+    assert continued_id == by_completion["chatcmpl-1"] and trajectories[continued_id].turn_count == 2
+    assert [r.trajectory_id if r else None for r in carried.recorded] == [continued_id, new_id, untouched_id]
+    closed = {t.id: t.close_reason for t in trajectories.values() if t.status == "closed"}
+    assert closed == dict.fromkeys((continued_id, new_id, untouched_id), "feedback")
+    assert all(trajectories[i].closed_at is not None for i in closed)
+    assert len(closes) == 1 and untouched_id in closes[0]  # the untouched one's, naming none of the others
+    assert continued_id not in closes[0] and new_id not in closes[0]
+    assert followed.take() == set(closed)
 
 
 def test_closing_looks_for_sub_agents_once_a_store_holds_one_and_after_it_is_opened_again(store: Store) -> None:
