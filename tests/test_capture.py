@@ -301,6 +301,22 @@ def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: Scr
     assert sorted(t.request_messages[0]["content"] for t in turns) == sorted(f"n{i}" for i in range(20))  # type: ignore
 
 
+def test_ctrl_c_stops_the_gateway_and_its_store_process_writes_what_it_holds(tmp_path: Path,
+                                                                              upstream: ScriptedOpenAI) -> None:
+    """SIGINT (Ctrl-C) reaches a gateway whose server waits between its once-a-second looks
+    (``core/quiet_server.py``): it stops, exit status 0, and its store process writes the open batch first."""
+    gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 5.0\n")
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    for i in range(5):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"c{i}"}])
+    wait_for(lambda: capture_counts(gateway).get("queued", 0) >= 5)  # in the open batch, not written
+    assert gateway.proc is not None
+    gateway.proc.send_signal(signal.SIGINT)
+    assert gateway.proc.wait(timeout=30) == 0
+    _, turns = stored(gateway)
+    assert sorted(t.request_messages[0]["content"] for t in turns) == [f"c{i}" for i in range(5)]  # type: ignore
+
+
 def test_a_killed_store_process_is_restarted_and_fails_no_client(tmp_path: Path, upstream: ScriptedOpenAI) -> None:
     """The gateway restarts a killed store process, and what is answered meanwhile goes to the spool and then
     to the store."""

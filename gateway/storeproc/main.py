@@ -165,7 +165,7 @@ class IngestListener:
 async def exit_with_parent(parent_pid: int) -> None:
     """SIGTERM ourselves once the gateway is gone, so a killed gateway leaves no store process behind."""
     while os.getppid() == parent_pid:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
     log.warning("the gateway (pid %d) is gone: writing what is left, then exiting", parent_pid)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -312,12 +312,11 @@ def main() -> None:
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
     os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
     configure_logging(settings)
-    import uvicorn
+    from flywheel.gateway.core.quiet_server import serve
 
     # Keep-alive past the gateway's (STORE_KEEPALIVE_S): it drops an idle connection first, never sends on a closing one
-    uvicorn.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
-                log_level=settings.log_level, timeout_graceful_shutdown=30,
-                timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
+    serve(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
+          log_level=settings.log_level, timeout_graceful_shutdown=30, timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
 
 
 if __name__ == "__main__":
