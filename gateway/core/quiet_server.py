@@ -52,7 +52,7 @@ class QuietServer(uvicorn.Server):
         return HANDLED_SIGNALS
 
 
-def serve(app: Any, **options: Any) -> None:
+def run(app: Any, **options: Any) -> None:
     """``uvicorn.run(app, **options)`` on a :class:`QuietServer` (one process, no reload)."""
     config = uvicorn.Config(app, **options)
     server = QuietServer(config)

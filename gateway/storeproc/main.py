@@ -312,11 +312,12 @@ def main() -> None:
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
     os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
     configure_logging(settings)
-    from flywheel.gateway.core.quiet_server import serve
+    from flywheel.gateway.core import quiet_server
 
     # Keep-alive past the gateway's (STORE_KEEPALIVE_S): it drops an idle connection first, never sends on a closing one
-    serve(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
-          log_level=settings.log_level, timeout_graceful_shutdown=30, timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
+    quiet_server.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
+                     log_level=settings.log_level, timeout_graceful_shutdown=30,
+                     timeout_keep_alive=int(4 * STORE_KEEPALIVE_S))
 
 
 if __name__ == "__main__":
