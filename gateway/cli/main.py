@@ -53,7 +53,8 @@ def serve(config: ConfigOption = None,
 
     Example: flywheel serve --port 8000
     """
-    from flywheel.gateway.core import quiet_server
+    import uvicorn
+
     from flywheel.gateway.serving.app import build_app
 
     settings = settings_or_exit(config, host=host, port=port, data_dir=data_dir)
@@ -63,8 +64,8 @@ def serve(config: ConfigOption = None,
         fail(str(exc))
     configure_logging(settings)  # redacted, uvicorn's loggers included (log_config=None)
     # asyncio's own loop: uvloop crashes this process on the training child's pipe (docs/gateway.md, "Two processes")
-    quiet_server.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
-                     log_level=settings.log_level, timeout_graceful_shutdown=30, loop="asyncio")
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
+                log_level=settings.log_level, timeout_graceful_shutdown=30, loop="asyncio")
 
 
 @app.command("tiny-model")

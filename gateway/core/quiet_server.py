@@ -1,4 +1,4 @@
-"""uvicorn's server, woken once a second when idle rather than ten times; both processes serve on it.
+"""uvicorn's server, woken once a second when idle rather than ten times; the store process serves on it.
 
 uvicorn's main loop sleeps 0.1 s between looks at whether it should stop: ten trips a second through the event
 loop of a process with nothing to do (docs/benchmarks.md, "Loop bookkeeping cost"). :class:`QuietServer` looks once
