@@ -304,7 +304,7 @@ def test_gateway_sigkill_loses_nothing_handed_over(tmp_path: Path, upstream: Scr
 def test_ctrl_c_stops_the_gateway_and_its_store_process_writes_what_it_holds(tmp_path: Path,
                                                                               upstream: ScriptedOpenAI) -> None:
     """SIGINT (Ctrl-C) stops the gateway, exit status 0; its SIGTERM reaches the store process's server while it
-    waits between its once-a-second looks (``core/quiet_server.py``), which writes the open batch first."""
+    waits between its once-a-second looks (``storeproc/quiet_server.py``), which writes the open batch first."""
     gateway = start_gateway(tmp_path, upstream, "[capture]\nbatch_wait_s = 5.0\n")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     for i in range(5):

@@ -312,7 +312,7 @@ def main() -> None:
     settings = Settings.model_validate(pickle.load(sys.stdin.buffer))  # the gateway's own, secrets included
     os.nice(settings.capture.store_nice)  # before any thread starts: DuckDB's and the writer's inherit it
     configure_logging(settings)
-    from flywheel.gateway.core import quiet_server
+    from flywheel.gateway.storeproc import quiet_server
 
     # Keep-alive past the gateway's (STORE_KEEPALIVE_S): it drops an idle connection first, never sends on a closing one
     quiet_server.run(build_store_app(settings, args.ingest_socket), uds=str(args.api_socket), log_config=None,
